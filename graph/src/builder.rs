@@ -1,0 +1,286 @@
+//! Model builders: a [`ModelConfig`] becomes an op graph for a prefill of T
+//! tokens or for a decode step.
+
+use petgraph::graph::NodeIndex;
+
+use crate::config::{Family, LayerType, ModelConfig};
+use crate::ir::{BuildError, Graph, GraphKind, InputKind, StateKind, WeightParam};
+use crate::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
+use crate::quant::{FloatType, WeightFormat};
+
+/// Decides how each weight is stored. The default follows `config.json`; the
+/// loader supplies one that reads the checkpoint's actual tensors.
+pub trait WeightResolver {
+    /// `name`: full checkpoint name (module path or plain tensor name);
+    /// `shape`: float shape; `module`: a Linear/Embedding-like module that MLX may quantize.
+    fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat;
+    /// Whether an optional tensor or module (e.g. an untied `lm_head`) is present.
+    fn exists(&self, _name: &str) -> bool {
+        false
+    }
+}
+
+/// Resolution from `config.json` alone (used when no weights are at hand).
+pub struct ConfigResolver<'a>(pub &'a ModelConfig);
+
+impl WeightResolver for ConfigResolver<'_> {
+    fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat {
+        let float = WeightFormat::Float { dtype: FloatType::Bf16 };
+        if !module {
+            return float;
+        }
+        let q = &self.0.quant;
+        let inn = *shape.last().unwrap_or(&0);
+        // MLX quantizes a module iff its input dim divides by the *global* group size
+        // (overrides apply to modules that pass that test).
+        let global_fits = q.global.map(|g| inn % g.group_size == 0).unwrap_or(true);
+        match q.for_module(name) {
+            Some(spec) if global_fits && spec.fits(inn) => WeightFormat::Quantized { spec, global_scale: false },
+            _ => float,
+        }
+    }
+}
+
+/// What the graph returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outputs {
+    /// Logits of every position `[T, V]` and the argmax of the last.
+    AllLogits,
+    /// Logits of the last position `[1, V]` and its argmax.
+    LastLogits,
+}
+
+/// Graph-shape options.
+#[derive(Clone, Debug)]
+pub struct BuildOptions {
+    pub kind: GraphKind,
+    /// Tokens per step (1 for decode).
+    pub tokens: usize,
+    /// Longest sequence the KV cache holds (full-attention layers).
+    pub max_context: usize,
+    /// Longest prefill chunk; sliding layers keep `window + chunk` slots so that a
+    /// chunk never overwrites keys its own queries still need.
+    pub chunk: usize,
+    pub outputs: Outputs,
+    /// Tensor prefix; `None` = the model type's default.
+    pub prefix: Option<String>,
+    /// Round Gemma constants (embedding scale) to bf16 as mlx-lm does.
+    pub bf16_constants: bool,
+}
+
+impl BuildOptions {
+    pub fn prefill(tokens: usize, max_context: usize) -> Self {
+        BuildOptions {
+            kind: GraphKind::Prefill,
+            tokens,
+            max_context,
+            chunk: tokens.max(1),
+            outputs: Outputs::AllLogits,
+            prefix: None,
+            bf16_constants: true,
+        }
+    }
+    pub fn decode(max_context: usize, chunk: usize) -> Self {
+        BuildOptions {
+            kind: GraphKind::Decode,
+            tokens: 1,
+            max_context,
+            chunk,
+            outputs: Outputs::LastLogits,
+            prefix: None,
+            bf16_constants: true,
+        }
+    }
+}
+
+/// Rounds an f32 to the nearest bf16 (ties to even), as f32.
+pub fn round_bf16(x: f32) -> f32 {
+    let b = x.to_bits();
+    let lsb = (b >> 16) & 1;
+    let r = b.wrapping_add(0x7fff + lsb) & 0xffff_0000;
+    f32::from_bits(r)
+}
+
+/// KV-cache slots of a layer type.
+pub fn cache_slots(cfg: &ModelConfig, t: LayerType, o: &BuildOptions) -> usize {
+    match t {
+        LayerType::Full => o.max_context,
+        LayerType::Sliding => (cfg.sliding_window + o.chunk).min(o.max_context),
+    }
+}
+
+struct B<'a> {
+    g: Graph,
+    cfg: &'a ModelConfig,
+    res: &'a dyn WeightResolver,
+    prefix: String,
+    pos: NodeIndex,
+    eps: f32,
+}
+
+impl<'a> B<'a> {
+    fn w(&mut self, rel: &str, layer: Option<usize>, shape: &[usize], module: bool) -> NodeIndex {
+        let name = format!("{}{}", self.prefix, rel);
+        let format = self.res.format(&name, shape, module);
+        let label = match layer {
+            Some(_) => rel.splitn(3, '.').nth(2).unwrap_or(rel).to_string(),
+            None => rel.to_string(),
+        };
+        let label = match layer {
+            Some(l) => format!("l{l}.{label}"),
+            None => label,
+        };
+        self.g.weight(&label, layer, WeightParam { name, shape: shape.to_vec(), format, module })
+    }
+
+    fn op(&mut self, name: &str, layer: Option<usize>, op: Op, ins: &[NodeIndex]) -> Result<NodeIndex, BuildError> {
+        let name = match layer {
+            Some(l) => format!("l{l}.{name}"),
+            None => name.to_string(),
+        };
+        self.g.op(&name, layer, op, ins)
+    }
+
+    fn norm(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, w: Option<&str>, conv: NormScale) -> Result<NodeIndex, BuildError> {
+        let d = self.g.node(x).ty.last();
+        match w {
+            Some(rel) if conv != NormScale::None => {
+                let wn = self.w(rel, layer, &[d], false);
+                self.op(name, layer, Op::RmsNorm { eps: self.eps, scale: conv }, &[x, wn])
+            }
+            _ => self.op(name, layer, Op::RmsNorm { eps: self.eps, scale: NormScale::None }, &[x]),
+        }
+    }
+
+    fn linear(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, rel: &str, out: usize) -> Result<NodeIndex, BuildError> {
+        let inn = self.g.node(x).ty.last();
+        let w = self.w(rel, layer, &[out, inn], true);
+        self.op(name, layer, Op::MatMul, &[x, w])
+    }
+
+    fn reshape(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, shape: &[usize]) -> Result<NodeIndex, BuildError> {
+        self.op(name, layer, Op::Reshape { shape: shape.to_vec() }, &[x])
+    }
+
+    fn add(&mut self, name: &str, layer: Option<usize>, a: NodeIndex, b: NodeIndex) -> Result<NodeIndex, BuildError> {
+        self.op(name, layer, Op::Binary { f: BinaryOp::Add }, &[a, b])
+    }
+}
+
+/// Builds the graph of `cfg` with weights resolved by `res`.
+pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
+    if o.tokens == 0 {
+        return Err(BuildError::Config("a graph needs at least one token".into()));
+    }
+    if o.tokens > o.chunk || o.chunk > o.max_context {
+        return Err(BuildError::Config(format!(
+            "tokens {} must be <= chunk {} <= max_context {}",
+            o.tokens, o.chunk, o.max_context
+        )));
+    }
+    match cfg.family {
+        Family::Gemma3 => build_gemma3(cfg, res, o),
+        Family::Gemma4 | Family::Gemma3n => Err(BuildError::Config(format!(
+            "model_type {}: graph builder not implemented yet for this family",
+            cfg.model_type
+        ))),
+    }
+}
+
+/// Builds from `config.json` alone.
+pub fn build_from_config(cfg: &ModelConfig, o: &BuildOptions) -> Result<Graph, BuildError> {
+    build(cfg, &ConfigResolver(cfg), o)
+}
+
+fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
+    let t = o.tokens;
+    let (h, nq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
+    let mut g = Graph::new(t, o.kind);
+    let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[t]));
+    let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[t]));
+    let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
+    let mut b = B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32 };
+    let conv = NormScale::OnePlusW;
+
+    let emb = b.w("embed_tokens", None, &[cfg.vocab_size, h], true);
+    let sqrt_h = (h as f32).sqrt();
+    let scale = if o.bf16_constants || cfg.family == Family::Gemma3 { round_bf16(sqrt_h) } else { sqrt_h };
+    let mut x = b.op("embed", None, Op::Embed { scale, clamp: None }, &[tokens, emb])?;
+
+    for i in 0..cfg.num_layers {
+        let l = Some(i);
+        let p = |s: &str| format!("layers.{i}.{s}");
+        let nkv = cfg.layer_kv_heads(i);
+        let lt = cfg.layer_types[i];
+        let xn = b.norm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
+        let q = b.linear("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
+        let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
+        let q = b.norm("q_norm", l, q, Some(&p("self_attn.q_norm.weight")), conv)?;
+        let k = b.linear("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
+        let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
+        let k = b.norm("k_norm", l, k, Some(&p("self_attn.k_norm.weight")), conv)?;
+        let v = b.linear("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
+        let v = b.reshape("v_heads", l, v, &[t, nkv, d])?;
+        let rope = cfg.layer_rope(i).clone();
+        let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
+        let q = b.op("q_rope", l, rop.clone(), &[q, b.pos])?;
+        let k = b.op("k_rope", l, rop, &[k, b.pos])?;
+        let (kc, vc) = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
+        let window = if lt == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
+        let a = b.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, b.pos, kc, vc])?;
+        let a = b.reshape("attn_flat", l, a, &[t, nq * d])?;
+        let a = b.linear("o_proj", l, a, &p("self_attn.o_proj"), h)?;
+        let a = b.norm("post_attn_norm", l, a, Some(&p("post_attention_layernorm.weight")), conv)?;
+        x = b.add("attn_residual", l, x, a)?;
+        let m = b.norm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
+        let inter = cfg.layer_intermediate(i);
+        let gt = b.linear("gate_proj", l, m, &p("mlp.gate_proj"), inter)?;
+        let up = b.linear("up_proj", l, m, &p("mlp.up_proj"), inter)?;
+        let gu = b.op("geglu", l, Op::GeGlu, &[gt, up])?;
+        let dn = b.linear("down_proj", l, gu, &p("mlp.down_proj"), h)?;
+        let dn = b.norm("post_ff_norm", l, dn, Some(&p("post_feedforward_layernorm.weight")), conv)?;
+        x = b.add("ff_residual", l, x, dn)?;
+    }
+    head(&mut b, x, emb, conv, o)
+}
+
+/// Writes K and V of layer `i` into its caches; returns the cache values.
+fn kv_write(b: &mut B, i: usize, k: NodeIndex, v: NodeIndex, slots: usize) -> Result<(NodeIndex, NodeIndex), BuildError> {
+    let l = Some(i);
+    let kt = b.g.node(k).ty.shape.clone();
+    let cache_ty = TensorType::f32(&[slots, kt[1], kt[2]]);
+    let ks = b.g.state(&format!("l{i}.k_cache"), l, StateKind::KvCache { layer: i, value: false }, cache_ty.clone());
+    let vs = b.g.state(&format!("l{i}.v_cache"), l, StateKind::KvCache { layer: i, value: true }, cache_ty);
+    let kc = b.op("k_write", l, Op::KvWrite, &[k, b.pos, ks])?;
+    let vc = b.op("v_write", l, Op::KvWrite, &[v, b.pos, vs])?;
+    Ok((kc, vc))
+}
+
+/// Final norm, tied (or untied) head, softcap and argmax.
+fn head(b: &mut B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOptions) -> Result<Graph, BuildError> {
+    let t = o.tokens;
+    let h = b.cfg.hidden_size;
+    let x = if o.outputs == Outputs::LastLogits && t > 1 {
+        b.op("last_row", None, Op::Slice { axis: 0, start: t - 1, len: 1 }, &[x])?
+    } else {
+        x
+    };
+    let xn = b.norm("final_norm", None, x, Some("norm.weight"), conv)?;
+    // Untied only when the checkpoint has its own head (mlx-lm ties iff it is absent).
+    let lm_head = format!("{}lm_head", b.prefix.strip_suffix("model.").unwrap_or(""));
+    let head_w = if b.res.exists(&lm_head) {
+        let format = b.res.format(&lm_head, &[b.cfg.vocab_size, h], true);
+        let wp = WeightParam { name: lm_head, shape: vec![b.cfg.vocab_size, h], format, module: true };
+        b.g.weight("lm_head", None, wp)
+    } else {
+        emb
+    };
+    let mut logits = b.op("logits", None, Op::MatMul, &[xn, head_w])?;
+    if let Some(cap) = b.cfg.final_logit_softcap {
+        logits = b.op("softcap", None, Op::Unary { f: UnaryOp::Softcap { cap: cap as f32 } }, &[logits])?;
+    }
+    let tok = b.op("argmax", None, Op::Argmax, &[logits])?;
+    b.g.set_output("logits", logits);
+    b.g.set_output("token", tok);
+    Ok(std::mem::replace(&mut b.g, Graph::new(0, o.kind)))
+}

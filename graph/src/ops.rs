@@ -1,0 +1,432 @@
+//! Every op of the IR, defined once: its inputs, attributes and output-shape rule.
+//!
+//! Lowerings live elsewhere (the CPU reference executor and the WGSL kernels);
+//! both read the attributes defined here and nothing else.
+
+use serde::Serialize;
+
+/// Element type of a value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    U32,
+}
+
+impl DType {
+    pub fn bytes(self) -> usize {
+        4
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::U32 => "u32",
+        }
+    }
+}
+
+/// Shape and dtype of a value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct TensorType {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl TensorType {
+    pub fn f32(shape: &[usize]) -> Self {
+        TensorType { shape: shape.to_vec(), dtype: DType::F32 }
+    }
+    pub fn u32(shape: &[usize]) -> Self {
+        TensorType { shape: shape.to_vec(), dtype: DType::U32 }
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn bytes(&self) -> usize {
+        self.numel() * self.dtype.bytes()
+    }
+    pub fn last(&self) -> usize {
+        *self.shape.last().unwrap_or(&1)
+    }
+    /// Product of all dims but the last.
+    pub fn rows(&self) -> usize {
+        if self.shape.is_empty() {
+            1
+        } else {
+            self.shape[..self.shape.len() - 1].iter().product()
+        }
+    }
+    pub fn describe(&self) -> String {
+        format!("{}{:?}", self.dtype.name(), self.shape)
+    }
+}
+
+/// Scale convention of an RMSNorm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormScale {
+    /// `rms(x) * (1 + w)` (Gemma 3).
+    OnePlusW,
+    /// `rms(x) * w` (Gemma 3n / 4).
+    W,
+    /// `rms(x)` (no weight).
+    None,
+}
+
+/// Elementwise binary operation with broadcasting of the second operand over
+/// leading dims (its shape must equal a suffix of the first's, or be `[1]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BinaryOp {
+    Add,
+    Mul,
+}
+
+/// Elementwise unary operation.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "fn", rename_all = "snake_case")]
+pub enum UnaryOp {
+    /// `x * factor`.
+    Scale { factor: f32 },
+    /// GELU, tanh approximation.
+    Gelu,
+    /// `cap * tanh(x / cap)`.
+    Softcap { cap: f32 },
+    Tanh,
+}
+
+/// The ops. Inputs are listed per variant as `[name: type]`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// `[ids: u32[T], table: weight[V, D]] -> f32[T, D]`: row lookup times `scale`.
+    /// Ids `>= clamp` (when set) read row 0 (Gemma 3n's per-layer table).
+    Embed { scale: f32, clamp: Option<u32> },
+    /// `[x: f32[.., K], w: weight[N, K]] -> f32[.., N]`: `x @ w^T`.
+    MatMul,
+    /// `[x: f32[T, S, K], ids: u32[T, S], w: weight[E, N, K]] -> f32[T, S, N]`:
+    /// row `(t, s)` multiplied by expert `ids[t, s]`. `S` = experts per token;
+    /// `x` may also be `f32[T, K]` (broadcast over S).
+    GatherMatMul,
+    /// `[x: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`.
+    RmsNorm { eps: f32, scale: NormScale },
+    /// `[x: f32[T, heads, D], pos: u32[T]] -> f32[T, heads, D]`: half-split RoPE on pairs
+    /// `(i, i + D/2)` for `i < rotary_pairs`; `inv_freq_i = theta^(-2i/D) / factor`.
+    Rope { theta: f32, factor: f32, rotary_pairs: usize },
+    /// `[x: f32[T, heads, D], pos: u32[T], cache: state[S, heads, D]] -> state`:
+    /// writes row `t` at slot `pos[t] % S`. The output is the cache itself.
+    KvWrite,
+    /// `[q: f32[T, nq, D], pos: u32[T], k: state[S, nkv, D], v: state[S, nkv, D]] -> f32[T, nq, D]`:
+    /// query `t` attends to absolute positions `j <= pos[t]` (and `j > pos[t] - window`),
+    /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`.
+    Attention { scale: f32, window: Option<usize> },
+    /// `[a, b] -> a`.
+    Binary { f: BinaryOp },
+    /// `[x] -> x`.
+    Unary { f: UnaryOp },
+    /// `[gate: f32[.., I], up: f32[.., I]] -> f32[.., I]`: `gelu(gate) * up`.
+    GeGlu,
+    /// `[logits: f32[T, E]] -> u32[T, k]`: indices of the k largest (ties: lower index first).
+    TopK { k: usize },
+    /// `[logits: f32[T, E], ids: u32[T, k], scale?: f32-weight[E]] -> f32[T, k]`:
+    /// softmax over the selected logits, times `scale[ids]` when given.
+    TopKSoftmax,
+    /// `[x: f32[T, S, D], w: f32[T, S]] -> f32[T, D]`: weighted sum over S.
+    WeightedSum,
+    /// `[x] -> x'`: same data, another shape (a view: no copy, no buffer).
+    Reshape { shape: Vec<usize> },
+    /// `[x: f32[.., N, ..]] -> f32[.., len, ..]`: `len` entries from `start` along `axis`.
+    Slice { axis: usize, start: usize, len: usize },
+    /// `[a, b, ...] -> concatenation along axis`.
+    Concat { axis: usize },
+    /// `[logits: f32[T, V]] -> u32[1]`: argmax of the last row.
+    Argmax,
+}
+
+/// An op's inputs did not fit it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{op}: {msg}")]
+pub struct ShapeError {
+    pub op: String,
+    pub msg: String,
+}
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embed { .. } => "embed",
+            Op::MatMul => "matmul",
+            Op::GatherMatMul => "gather_matmul",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::KvWrite => "kv_write",
+            Op::Attention { .. } => "attention",
+            Op::Binary { f: BinaryOp::Add } => "add",
+            Op::Binary { f: BinaryOp::Mul } => "mul",
+            Op::Unary { f: UnaryOp::Scale { .. } } => "scale",
+            Op::Unary { f: UnaryOp::Gelu } => "gelu",
+            Op::Unary { f: UnaryOp::Softcap { .. } } => "softcap",
+            Op::Unary { f: UnaryOp::Tanh } => "tanh",
+            Op::GeGlu => "geglu",
+            Op::TopK { .. } => "top_k",
+            Op::TopKSoftmax => "top_k_softmax",
+            Op::WeightedSum => "weighted_sum",
+            Op::Reshape { .. } => "reshape",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::Argmax => "argmax",
+        }
+    }
+
+    /// Whether the op's output is a view of its first input (no buffer of its own).
+    pub fn is_view(&self) -> bool {
+        matches!(self, Op::Reshape { .. })
+    }
+
+    /// Whether the op writes into the persistent state given as its last input.
+    pub fn writes_state(&self) -> bool {
+        matches!(self, Op::KvWrite)
+    }
+
+    /// Attributes as a short human-readable string (for dumps).
+    pub fn attrs(&self) -> String {
+        match self {
+            Op::Embed { scale, clamp } => match clamp {
+                Some(c) => format!("scale={scale} clamp={c}"),
+                None => format!("scale={scale}"),
+            },
+            Op::RmsNorm { eps, scale } => format!("eps={eps:e} scale={scale:?}"),
+            Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
+            Op::Attention { scale, window } => match window {
+                Some(w) => format!("scale={scale} window={w}"),
+                None => format!("scale={scale} causal"),
+            },
+            Op::Unary { f: UnaryOp::Scale { factor } } => format!("factor={factor}"),
+            Op::Unary { f: UnaryOp::Softcap { cap } } => format!("cap={cap}"),
+            Op::TopK { k } => format!("k={k}"),
+            Op::Reshape { shape } => format!("shape={shape:?}"),
+            Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
+            Op::Concat { axis } => format!("axis={axis}"),
+            _ => String::new(),
+        }
+    }
+
+    /// Output type from input types: the shape rule. `inputs` are in slot order;
+    /// weights appear with their logical (float) shape and dtype f32.
+    pub fn infer(&self, inputs: &[&TensorType]) -> Result<TensorType, ShapeError> {
+        let err = |msg: String| ShapeError { op: self.name().to_string(), msg };
+        let need = |n: usize| -> Result<(), ShapeError> {
+            if inputs.len() == n {
+                Ok(())
+            } else {
+                Err(err(format!("expects {n} inputs, got {}", inputs.len())))
+            }
+        };
+        let f32_in = |i: usize| -> Result<&TensorType, ShapeError> {
+            let t = inputs[i];
+            if t.dtype == DType::F32 {
+                Ok(t)
+            } else {
+                Err(err(format!("input {i} must be f32, got {}", t.describe())))
+            }
+        };
+        let u32_in = |i: usize| -> Result<&TensorType, ShapeError> {
+            let t = inputs[i];
+            if t.dtype == DType::U32 {
+                Ok(t)
+            } else {
+                Err(err(format!("input {i} must be u32, got {}", t.describe())))
+            }
+        };
+        match self {
+            Op::Embed { .. } => {
+                need(2)?;
+                let ids = u32_in(0)?;
+                let tab = inputs[1];
+                if ids.shape.len() != 1 || tab.shape.len() != 2 {
+                    return Err(err(format!("ids {} table {}", ids.describe(), tab.describe())));
+                }
+                Ok(TensorType::f32(&[ids.shape[0], tab.shape[1]]))
+            }
+            Op::MatMul => {
+                need(2)?;
+                let x = f32_in(0)?;
+                let w = inputs[1];
+                if w.shape.len() != 2 || x.shape.is_empty() || x.last() != w.shape[1] {
+                    return Err(err(format!("x {} vs w {}", x.describe(), w.describe())));
+                }
+                let mut s = x.shape.clone();
+                *s.last_mut().unwrap() = w.shape[0];
+                Ok(TensorType::f32(&s))
+            }
+            Op::GatherMatMul => {
+                need(3)?;
+                let x = f32_in(0)?;
+                let ids = u32_in(1)?;
+                let w = inputs[2];
+                if ids.shape.len() != 2 || w.shape.len() != 3 {
+                    return Err(err(format!("ids {} w {}", ids.describe(), w.describe())));
+                }
+                let (t, s) = (ids.shape[0], ids.shape[1]);
+                let ok = match x.shape.as_slice() {
+                    [xt, xk] => *xt == t && *xk == w.shape[2],
+                    [xt, xs, xk] => *xt == t && *xs == s && *xk == w.shape[2],
+                    _ => false,
+                };
+                if !ok {
+                    return Err(err(format!("x {} ids {} w {}", x.describe(), ids.describe(), w.describe())));
+                }
+                Ok(TensorType::f32(&[t, s, w.shape[1]]))
+            }
+            Op::RmsNorm { scale, .. } => {
+                let x = f32_in(0)?;
+                if *scale == NormScale::None {
+                    need(1)?;
+                } else {
+                    need(2)?;
+                    if inputs[1].shape != [x.last()] {
+                        return Err(err(format!("weight {} for x {}", inputs[1].describe(), x.describe())));
+                    }
+                }
+                Ok(x.clone())
+            }
+            Op::Rope { rotary_pairs, .. } => {
+                need(2)?;
+                let x = f32_in(0)?;
+                let p = u32_in(1)?;
+                if x.shape.len() != 3 || p.shape != [x.shape[0]] || x.shape[2] % 2 != 0 || *rotary_pairs > x.shape[2] / 2 {
+                    return Err(err(format!("x {} pos {} pairs {rotary_pairs}", x.describe(), p.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::KvWrite => {
+                need(3)?;
+                let x = f32_in(0)?;
+                let p = u32_in(1)?;
+                let c = f32_in(2)?;
+                if x.shape.len() != 3 || c.shape.len() != 3 || x.shape[1..] != c.shape[1..] || p.shape != [x.shape[0]] {
+                    return Err(err(format!("x {} pos {} cache {}", x.describe(), p.describe(), c.describe())));
+                }
+                if x.shape[0] > c.shape[0] {
+                    return Err(err(format!("{} rows do not fit a cache of {} slots", x.shape[0], c.shape[0])));
+                }
+                Ok(c.clone())
+            }
+            Op::Attention { .. } => {
+                need(4)?;
+                let q = f32_in(0)?;
+                let p = u32_in(1)?;
+                let k = f32_in(2)?;
+                let v = f32_in(3)?;
+                if q.shape.len() != 3 || k.shape.len() != 3 || k.shape != v.shape || p.shape != [q.shape[0]] {
+                    return Err(err(format!("q {} k {} v {}", q.describe(), k.describe(), v.describe())));
+                }
+                if q.shape[2] != k.shape[2] || k.shape[1] == 0 || q.shape[1] % k.shape[1] != 0 {
+                    return Err(err(format!("heads/dims: q {} k {}", q.describe(), k.describe())));
+                }
+                Ok(q.clone())
+            }
+            Op::Binary { .. } => {
+                need(2)?;
+                let a = f32_in(0)?;
+                let b = f32_in(1)?;
+                let suffix = b.shape.len() <= a.shape.len() && a.shape[a.shape.len() - b.shape.len()..] == b.shape[..];
+                if !(suffix || b.shape == [1]) {
+                    return Err(err(format!("cannot broadcast {} onto {}", b.describe(), a.describe())));
+                }
+                Ok(a.clone())
+            }
+            Op::Unary { .. } => {
+                need(1)?;
+                Ok(f32_in(0)?.clone())
+            }
+            Op::GeGlu => {
+                need(2)?;
+                let g = f32_in(0)?;
+                let u = f32_in(1)?;
+                if g.shape != u.shape {
+                    return Err(err(format!("gate {} up {}", g.describe(), u.describe())));
+                }
+                Ok(g.clone())
+            }
+            Op::TopK { k } => {
+                need(1)?;
+                let l = f32_in(0)?;
+                if l.shape.len() != 2 || *k == 0 || *k > l.shape[1] {
+                    return Err(err(format!("k={k} of {}", l.describe())));
+                }
+                Ok(TensorType::u32(&[l.shape[0], *k]))
+            }
+            Op::TopKSoftmax => {
+                if inputs.len() != 2 && inputs.len() != 3 {
+                    return Err(err(format!("expects 2 or 3 inputs, got {}", inputs.len())));
+                }
+                let l = f32_in(0)?;
+                let ids = u32_in(1)?;
+                if l.shape.len() != 2 || ids.shape.len() != 2 || ids.shape[0] != l.shape[0] {
+                    return Err(err(format!("logits {} ids {}", l.describe(), ids.describe())));
+                }
+                if inputs.len() == 3 && inputs[2].shape != [l.shape[1]] {
+                    return Err(err(format!("scale {} for {} experts", inputs[2].describe(), l.shape[1])));
+                }
+                Ok(TensorType::f32(&ids.shape))
+            }
+            Op::WeightedSum => {
+                need(2)?;
+                let x = f32_in(0)?;
+                let w = f32_in(1)?;
+                if x.shape.len() != 3 || w.shape != x.shape[..2] {
+                    return Err(err(format!("x {} w {}", x.describe(), w.describe())));
+                }
+                Ok(TensorType::f32(&[x.shape[0], x.shape[2]]))
+            }
+            Op::Reshape { shape } => {
+                need(1)?;
+                let x = inputs[0];
+                if shape.iter().product::<usize>() != x.numel() {
+                    return Err(err(format!("{} to {shape:?}", x.describe())));
+                }
+                Ok(TensorType { shape: shape.clone(), dtype: x.dtype })
+            }
+            Op::Slice { axis, start, len } => {
+                need(1)?;
+                let x = inputs[0];
+                if *axis >= x.shape.len() || start + len > x.shape[*axis] || *len == 0 {
+                    return Err(err(format!("{} axis {axis} [{start}, {})", x.describe(), start + len)));
+                }
+                let mut s = x.shape.clone();
+                s[*axis] = *len;
+                Ok(TensorType { shape: s, dtype: x.dtype })
+            }
+            Op::Concat { axis } => {
+                if inputs.is_empty() {
+                    return Err(err("no inputs".into()));
+                }
+                let a = inputs[0];
+                let mut s = a.shape.clone();
+                if *axis >= s.len() {
+                    return Err(err(format!("axis {axis} of {}", a.describe())));
+                }
+                s[*axis] = 0;
+                for t in inputs {
+                    let ok = t.dtype == a.dtype
+                        && t.shape.len() == a.shape.len()
+                        && (0..a.shape.len()).all(|d| d == *axis || t.shape[d] == a.shape[d]);
+                    if !ok {
+                        return Err(err(format!("{} vs {}", t.describe(), a.describe())));
+                    }
+                    s[*axis] += t.shape[*axis];
+                }
+                Ok(TensorType { shape: s, dtype: a.dtype })
+            }
+            Op::Argmax => {
+                need(1)?;
+                let l = f32_in(0)?;
+                if l.shape.len() != 2 {
+                    return Err(err(format!("logits {}", l.describe())));
+                }
+                Ok(TensorType::u32(&[1]))
+            }
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! Property tests of the compiler passes on random DAGs, and the same checks on
+//! the Gemma 3 270M / 1B / 12B graphs.
+
+use std::path::PathBuf;
+
+use markbase_graph::builder::{build_from_config, BuildOptions};
+use markbase_graph::ir::{Graph, GraphKind, InputKind, StateKind, WeightParam};
+use markbase_graph::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
+use markbase_graph::passes::{check, compile, Compiled, PhasePolicy, Storage};
+use markbase_graph::quant::{FloatType, WeightFormat};
+use markbase_graph::{dump, ModelConfig};
+use petgraph::graph::NodeIndex;
+use proptest::prelude::*;
+
+/// Independent re-statement of the four properties (not via `check`).
+fn assert_properties(c: &Compiled) {
+    let g = &c.graph;
+    let order = g.order();
+    let pos = |n: NodeIndex| order.iter().position(|&m| m == n).unwrap();
+    // Live range of each pooled root value.
+    let mut ranges: Vec<(NodeIndex, usize, usize, u32)> = vec![];
+    for n in g.g.node_indices() {
+        if g.storage_root(n) != n || g.node(n).op().is_none() {
+            continue;
+        }
+        let Storage::Pool(b) = c.alloc.storage[n.index()] else { panic!("op value without pool storage") };
+        let mut last = pos(n);
+        for m in g.g.node_indices() {
+            if g.storage_root(m) == n {
+                for u in g.users(m) {
+                    last = last.max(pos(u));
+                }
+            }
+        }
+        if g.outputs.iter().any(|(_, o)| g.storage_root(*o) == n) {
+            last = usize::MAX;
+        }
+        ranges.push((n, pos(n), last, b));
+        // Every buffer is large enough.
+        assert!(c.alloc.pool_sizes[b as usize] >= g.node(n).ty.bytes(), "buffer too small");
+    }
+    // No two values alive at the same time share a buffer.
+    for (i, a) in ranges.iter().enumerate() {
+        for b in &ranges[i + 1..] {
+            if a.3 == b.3 {
+                let disjoint = a.2 < b.1 || b.2 < a.1;
+                assert!(disjoint, "nodes {:?} and {:?} overlap in buffer {}", a.0, b.0, a.3);
+            }
+        }
+    }
+    // No node's output buffer equals one of its input buffers.
+    for n in g.op_nodes() {
+        let op = g.node(n).op().unwrap();
+        if op.is_view() {
+            continue;
+        }
+        let ins = g.inputs(n);
+        let reads = if op.writes_state() { &ins[..ins.len() - 1] } else { &ins[..] };
+        for &i in reads {
+            assert_ne!(c.alloc.storage[i.index()], c.alloc.storage[n.index()], "node {:?} reads its own output buffer", n);
+        }
+    }
+    // Phases respect dependencies.
+    for n in g.op_nodes() {
+        let pn = c.schedule.phase_of[n.index()].expect("op not scheduled");
+        for i in g.inputs(n) {
+            if let Some(pi) = c.schedule.phase_of[i.index()] {
+                assert!(pi <= pn, "dependency goes backwards across phases");
+            }
+        }
+    }
+    assert!(c.alloc.bytes_after <= c.alloc.bytes_before);
+}
+
+/// A random DAG: a few inputs and weights, then ops picking earlier values.
+fn random_graph(choices: &[(u8, usize, usize, usize)], width: usize) -> Graph {
+    let mut g = Graph::new(4, GraphKind::Prefill);
+    let t = 4;
+    let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[t]));
+    let _tok = g.input("tokens", InputKind::Tokens, TensorType::u32(&[t]));
+    let w = g.weight(
+        "w",
+        None,
+        WeightParam { name: "w".into(), shape: vec![width, width], format: WeightFormat::Float { dtype: FloatType::F32 }, module: true },
+    );
+    let w2 = g.weight(
+        "w2",
+        None,
+        WeightParam { name: "w2".into(), shape: vec![2 * width, width], format: WeightFormat::Float { dtype: FloatType::F32 }, module: true },
+    );
+    let cache = g.state("cache", None, StateKind::KvCache { layer: 0, value: false }, TensorType::f32(&[8, 1, width]));
+    // Seed value: x = tokens-independent matmul chain needs an f32 start.
+    let seed = g.weight(
+        "seed",
+        None,
+        WeightParam { name: "seed".into(), shape: vec![width], format: WeightFormat::Float { dtype: FloatType::F32 }, module: false },
+    );
+    let mut vals: Vec<NodeIndex> = vec![];
+    let first = g.op("start", None, Op::Binary { f: BinaryOp::Mul }, &[seed, seed]).unwrap();
+    let first = g.op("start2", None, Op::Reshape { shape: vec![1, width] }, &[first]).unwrap();
+    let first = g.op("rows", None, Op::Concat { axis: 0 }, &[first, first, first, first]).unwrap();
+    vals.push(first);
+    let mut wrote_cache = false;
+    for (i, &(kind, a, b, layer)) in choices.iter().enumerate() {
+        let pick = |k: usize| vals[k % vals.len()];
+        let (x, y) = (pick(a), pick(b));
+        let layer = Some(layer % 3);
+        let name = format!("n{i}");
+        let r = match kind % 9 {
+            0 => g.op(&name, layer, Op::Binary { f: BinaryOp::Add }, &[x, y]),
+            1 => g.op(&name, layer, Op::Unary { f: UnaryOp::Gelu }, &[x]),
+            2 => g.op(&name, layer, Op::MatMul, &[x, w]),
+            3 => g.op(&name, layer, Op::GeGlu, &[x, y]),
+            4 => g.op(&name, layer, Op::RmsNorm { eps: 1e-6, scale: NormScale::None }, &[x]),
+            5 => {
+                // view chain: reshape and back
+                let v = g.op(&format!("{name}.v"), layer, Op::Reshape { shape: vec![t, 1, width] }, &[x]).unwrap();
+                g.op(&name, layer, Op::Reshape { shape: vec![t, width] }, &[v])
+            }
+            6 => {
+                let wide = g.op(&format!("{name}.wide"), layer, Op::MatMul, &[x, w2]).unwrap();
+                g.op(&name, layer, Op::Slice { axis: 1, start: width / 2, len: width }, &[wide])
+            }
+            7 if !wrote_cache => {
+                wrote_cache = true;
+                let v = g.op(&format!("{name}.v"), layer, Op::Reshape { shape: vec![t, 1, width] }, &[x]).unwrap();
+                let kc = g.op(&format!("{name}.kw"), layer, Op::KvWrite, &[v, pos, cache]).unwrap();
+                let q = g.op(&format!("{name}.q"), layer, Op::Reshape { shape: vec![t, 1, width] }, &[y]).unwrap();
+                let a = g.op(&format!("{name}.att"), layer, Op::Attention { scale: 1.0, window: None }, &[q, pos, kc, kc]).unwrap();
+                g.op(&name, layer, Op::Reshape { shape: vec![t, width] }, &[a])
+            }
+            _ => g.op(&name, layer, Op::Binary { f: BinaryOp::Mul }, &[y, x]),
+        };
+        vals.push(r.unwrap());
+    }
+    // Layers must be monotonic for the per-layer schedule to be contiguous by stage;
+    // the random layer tags test that the scheduler never reorders regardless.
+    let last = *vals.last().unwrap();
+    let head = g.op("head", None, Op::MatMul, &[last, w]).unwrap();
+    let tok = g.op("argmax", None, Op::Argmax, &[head]).unwrap();
+    g.set_output("logits", head);
+    g.set_output("token", tok);
+    g
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn random_dags_keep_invariants(
+        choices in proptest::collection::vec((0u8..9, 0usize..64, 0usize..64, 0usize..3), 1..60),
+        width in 2usize..40,
+        per_layer in any::<bool>(),
+    ) {
+        let g = random_graph(&choices, width);
+        let policy = if per_layer { PhasePolicy::PerLayer } else { PhasePolicy::EmbedLayersHead };
+        let c = compile(g, policy).expect("compile");
+        assert_properties(&c);
+    }
+}
+
+/// The checker is not vacuous: corrupting each pass result is caught.
+#[test]
+fn checker_catches_corruption() {
+    let choices: Vec<(u8, usize, usize, usize)> = (0..30).map(|i| ((i * 7 % 9) as u8, i * 3, i * 5 + 1, i % 3)).collect();
+    let c = compile(random_graph(&choices, 16), PhasePolicy::EmbedLayersHead).unwrap();
+    check(&c).unwrap();
+    // 1. Output bound to an input's buffer.
+    let mut bad = c.clone();
+    let n = bad.graph.op_nodes().find(|&n| bad.graph.node(n).op() == Some(&Op::MatMul)).unwrap();
+    let i = bad.graph.inputs(n)[0];
+    let victim = bad.graph.storage_root(n);
+    bad.alloc.storage[victim.index()] = bad.alloc.storage[i.index()];
+    assert!(check(&bad).is_err());
+    // 2. A buffer too small.
+    let mut bad = c.clone();
+    for s in bad.alloc.pool_sizes.iter_mut() {
+        *s = 1;
+    }
+    assert!(check(&bad).is_err());
+    // 3. Two live values merged into one buffer.
+    let mut bad = c.clone();
+    let pools: Vec<usize> = (0..bad.graph.g.node_count())
+        .filter(|&k| matches!(bad.alloc.storage[k], Storage::Pool(_)) && bad.alloc.live[k].is_some())
+        .collect();
+    for &k in &pools {
+        bad.alloc.storage[k] = Storage::Pool(0);
+    }
+    let max = *bad.alloc.pool_sizes.iter().max().unwrap();
+    bad.alloc.pool_sizes = vec![max; bad.alloc.pool_sizes.len()];
+    assert!(check(&bad).is_err());
+    // 4. Phases out of order.
+    let mut bad = c.clone();
+    bad.schedule.phases.reverse();
+    assert!(check(&bad).is_err());
+}
+
+fn configs_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs")
+}
+
+fn load(name: &str) -> ModelConfig {
+    let s = std::fs::read_to_string(configs_dir().join(name).join("config.json")).unwrap();
+    ModelConfig::from_json_str(&s).unwrap()
+}
+
+#[test]
+fn gemma3_graphs_pass_checks() {
+    for (name, layers, hidden) in [("gemma3-270m", 18, 640), ("gemma3-1b", 26, 1152), ("gemma3-12b", 48, 3840)] {
+        let cfg = load(name);
+        assert_eq!(cfg.num_layers, layers);
+        assert_eq!(cfg.hidden_size, hidden);
+        for opts in [BuildOptions::decode(4096, 512), BuildOptions::prefill(37, 4096)] {
+            for policy in [PhasePolicy::EmbedLayersHead, PhasePolicy::PerLayer] {
+                let g = build_from_config(&cfg, &opts).unwrap();
+                let c = compile(g, policy).unwrap();
+                assert_properties(&c);
+                let expect_phases = if policy == PhasePolicy::PerLayer { layers + 2 } else { 2 };
+                assert_eq!(c.schedule.phases.len(), expect_phases, "{name}");
+                assert!(c.alloc.bytes_after * 2 < c.alloc.bytes_before, "{name}: sharing saves little");
+                // Every weight of a Gemma 3 layer is present.
+                let names: Vec<&str> = c.graph.weights().map(|(_, w)| w.name.as_str()).collect();
+                let prefix = cfg.default_prefix();
+                for i in [0, layers - 1] {
+                    for t in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.q_norm.weight", "input_layernorm.weight"] {
+                        let full = format!("{prefix}layers.{i}.{t}");
+                        assert!(names.contains(&full.as_str()), "{name}: missing {full}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dumps_are_deterministic() {
+    for name in ["gemma3-270m", "gemma3-12b"] {
+        let mk = || {
+            let c = compile(build_from_config(&load(name), &BuildOptions::prefill(9, 1024)).unwrap(), PhasePolicy::EmbedLayersHead).unwrap();
+            (dump::to_text(&c), serde_json::to_string(&dump::to_json(&c)).unwrap(), dump::to_dot(&c))
+        };
+        assert_eq!(mk(), mk());
+    }
+}
+
+#[test]
+fn gemma3_12b_uses_linear_rope_on_global_layers_only() {
+    let cfg = load("gemma3-12b");
+    let g = build_from_config(&cfg, &BuildOptions::decode(1024, 64)).unwrap();
+    let ropes: Vec<(usize, f32)> = g
+        .g
+        .node_indices()
+        .filter_map(|n| match g.node(n).op() {
+            Some(Op::Rope { factor, .. }) => Some((g.node(n).layer.unwrap(), *factor)),
+            _ => None,
+        })
+        .collect();
+    for (l, f) in ropes {
+        let global = (l + 1) % 6 == 0;
+        assert_eq!(f, if global { 8.0 } else { 1.0 }, "layer {l}");
+    }
+    assert_eq!(cfg.vocab_size, 262208);
+}

@@ -1,0 +1,3 @@
+//! CPU lowering of the ops and the CPU reference executor.
+
+pub mod ops;

@@ -1,0 +1,232 @@
+//! The CPU lowering of every op: plain f32 math on slices. It is the oracle
+//! for the WGSL kernels and the body of the CPU reference executor.
+
+use markbase_graph::ops::{BinaryOp, NormScale, UnaryOp};
+
+/// GELU, tanh approximation, with the tanh argument clamped (see the numerics notes).
+pub fn gelu(x: f32) -> f32 {
+    let c = (2.0f32 / std::f32::consts::PI).sqrt();
+    let u = (c * (x + 0.044715 * x * x * x)).clamp(-15.0, 15.0);
+    0.5 * x * (1.0 + u.tanh())
+}
+
+/// `cap * tanh(x / cap)`.
+pub fn softcap(x: f32, cap: f32) -> f32 {
+    cap * (x / cap).clamp(-15.0, 15.0).tanh()
+}
+
+pub fn unary(f: UnaryOp, x: &[f32], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = match f {
+            UnaryOp::Scale { factor } => v * factor,
+            UnaryOp::Gelu => gelu(v),
+            UnaryOp::Softcap { cap } => softcap(v, cap),
+            UnaryOp::Tanh => v.clamp(-15.0, 15.0).tanh(),
+        };
+    }
+}
+
+/// `a (op) b`, `b` broadcast over `a`'s leading dims (or a single element).
+pub fn binary(f: BinaryOp, a: &[f32], b: &[f32], out: &mut [f32]) {
+    let n = b.len().max(1);
+    for (i, (o, &x)) in out.iter_mut().zip(a).enumerate() {
+        let y = b[i % n];
+        *o = match f {
+            BinaryOp::Add => x + y,
+            BinaryOp::Mul => x * y,
+        };
+    }
+}
+
+/// RMSNorm over rows of length `d`: `x / sqrt(mean(x^2) + eps)` times the scale.
+pub fn rms_norm(x: &[f32], w: Option<&[f32]>, d: usize, eps: f32, scale: NormScale, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let r = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
+        for j in 0..d {
+            let s = match (scale, w) {
+                (NormScale::OnePlusW, Some(w)) => 1.0 + w[j],
+                (NormScale::W, Some(w)) => w[j],
+                _ => 1.0,
+            };
+            or[j] = xr[j] * r * s;
+        }
+    }
+}
+
+/// Inverse frequency of pair `i` of a head of dim `d`.
+pub fn rope_inv_freq(theta: f32, factor: f32, d: usize, i: usize) -> f32 {
+    let e = -2.0 * i as f64 / d as f64;
+    ((theta as f64).powf(e) / factor as f64) as f32
+}
+
+/// Half-split RoPE on `x[T, heads, d]` in place-free form.
+pub fn rope(x: &[f32], pos: &[u32], heads: usize, d: usize, theta: f32, factor: f32, pairs: usize, out: &mut [f32]) {
+    out.copy_from_slice(x);
+    let half = d / 2;
+    for (t, &p) in pos.iter().enumerate() {
+        for i in 0..pairs {
+            let ang = p as f64 * rope_inv_freq(theta, factor, d, i) as f64;
+            let (s, c) = (ang.sin() as f32, ang.cos() as f32);
+            for h in 0..heads {
+                let base = (t * heads + h) * d;
+                let (a, b) = (x[base + i], x[base + i + half]);
+                out[base + i] = a * c - b * s;
+                out[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+/// Writes rows of `x[T, row]` into `cache[S, row]` at slots `pos % S`.
+pub fn kv_write(x: &[f32], pos: &[u32], row: usize, cache: &mut [f32]) {
+    let slots = cache.len() / row;
+    for (t, &p) in pos.iter().enumerate() {
+        let s = p as usize % slots;
+        cache[s * row..(s + 1) * row].copy_from_slice(&x[t * row..(t + 1) * row]);
+    }
+}
+
+/// Attention of `q[T, nq, d]` over caches `k, v[S, nkv, d]` holding absolute
+/// positions at slot `j % S`. Query `t` sees `j <= pos[t]` and, with a window,
+/// `j > pos[t] - window`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: &[f32],
+    pos: &[u32],
+    k: &[f32],
+    v: &[f32],
+    nq: usize,
+    nkv: usize,
+    d: usize,
+    scale: f32,
+    window: Option<usize>,
+    out: &mut [f32],
+) {
+    let slots = k.len() / (nkv * d);
+    let group = nq / nkv;
+    for (t, &p) in pos.iter().enumerate() {
+        let p = p as usize;
+        let lo = match window {
+            Some(w) => (p + 1).saturating_sub(w),
+            None => 0,
+        };
+        let n = p + 1 - lo;
+        let mut sc = vec![0f32; n];
+        for h in 0..nq {
+            let kh = h / group;
+            let qv = &q[(t * nq + h) * d..(t * nq + h + 1) * d];
+            let mut mx = f32::NEG_INFINITY;
+            for (jj, s) in sc.iter_mut().enumerate() {
+                let slot = (lo + jj) % slots;
+                let kv = &k[(slot * nkv + kh) * d..(slot * nkv + kh + 1) * d];
+                let dot: f32 = qv.iter().zip(kv).map(|(a, b)| a * b).sum();
+                *s = dot * scale;
+                mx = mx.max(*s);
+            }
+            let mut sum = 0f32;
+            for s in sc.iter_mut() {
+                *s = (*s - mx).exp();
+                sum += *s;
+            }
+            let o = &mut out[(t * nq + h) * d..(t * nq + h + 1) * d];
+            o.fill(0.0);
+            for (jj, s) in sc.iter().enumerate() {
+                let slot = (lo + jj) % slots;
+                let vv = &v[(slot * nkv + kh) * d..(slot * nkv + kh + 1) * d];
+                let wgt = s / sum;
+                for (oo, &x) in o.iter_mut().zip(vv) {
+                    *oo += wgt * x;
+                }
+            }
+        }
+    }
+}
+
+/// `gelu(gate) * up`.
+pub fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = gelu(g) * u;
+    }
+}
+
+/// `x[rows, k] @ w[n, k]^T` with `w` already dequantized.
+pub fn matmul(x: &[f32], w: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+        for (j, o) in or.iter_mut().enumerate() {
+            let wr = &w[j * k..(j + 1) * k];
+            *o = xr.iter().zip(wr).map(|(a, b)| a * b).sum();
+        }
+    }
+}
+
+/// Indices of the `k` largest entries of each row (ties: lower index first).
+pub fn top_k(logits: &[f32], e: usize, k: usize, out: &mut [u32]) {
+    for (lr, or) in logits.chunks_exact(e).zip(out.chunks_exact_mut(k)) {
+        let mut idx: Vec<u32> = (0..e as u32).collect();
+        idx.sort_by(|&a, &b| lr[b as usize].total_cmp(&lr[a as usize]).then(a.cmp(&b)));
+        or.copy_from_slice(&idx[..k]);
+    }
+}
+
+/// Softmax over the selected logits, times `scale[id]` when given.
+pub fn top_k_softmax(logits: &[f32], e: usize, ids: &[u32], k: usize, scale: Option<&[f32]>, out: &mut [f32]) {
+    for ((lr, ir), or) in logits.chunks_exact(e).zip(ids.chunks_exact(k)).zip(out.chunks_exact_mut(k)) {
+        let mx = ir.iter().map(|&i| lr[i as usize]).fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = ir.iter().map(|&i| (lr[i as usize] - mx).exp()).sum();
+        for (o, &i) in or.iter_mut().zip(ir) {
+            *o = (lr[i as usize] - mx).exp() / sum * scale.map_or(1.0, |s| s[i as usize]);
+        }
+    }
+}
+
+/// `out[t, :] = sum_s w[t, s] * x[t, s, :]`.
+pub fn weighted_sum(x: &[f32], w: &[f32], s: usize, d: usize, out: &mut [f32]) {
+    for (t, or) in out.chunks_exact_mut(d).enumerate() {
+        or.fill(0.0);
+        for j in 0..s {
+            let wt = w[t * s + j];
+            let xr = &x[(t * s + j) * d..(t * s + j + 1) * d];
+            for (o, &v) in or.iter_mut().zip(xr) {
+                *o += wt * v;
+            }
+        }
+    }
+}
+
+/// Argmax of a row (ties: lowest index).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Copies a slice of `x` along `axis` (shape `shape`).
+pub fn slice(x: &[f32], shape: &[usize], axis: usize, start: usize, len: usize, out: &mut [f32]) {
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let n = shape[axis];
+    for o in 0..outer {
+        let src = &x[(o * n + start) * inner..(o * n + start + len) * inner];
+        out[o * len * inner..(o + 1) * len * inner].copy_from_slice(src);
+    }
+}
+
+/// Concatenates along `axis`; `parts` are (data, size along axis).
+pub fn concat(parts: &[(&[f32], usize)], shape_out: &[usize], axis: usize, out: &mut [f32]) {
+    let outer: usize = shape_out[..axis].iter().product();
+    let inner: usize = shape_out[axis + 1..].iter().product();
+    let total = shape_out[axis];
+    let mut off = 0;
+    for (data, n) in parts {
+        for o in 0..outer {
+            let dst = (o * total + off) * inner;
+            out[dst..dst + n * inner].copy_from_slice(&data[o * n * inner..(o + 1) * n * inner]);
+        }
+        off += n;
+    }
+}

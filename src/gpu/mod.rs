@@ -1,0 +1,1 @@
+//! wgpu device, kernels and graph runtime.

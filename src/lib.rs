@@ -1,0 +1,13 @@
+//! markbase: a Gemma inference engine. It loads MLX checkpoints, compiles the
+//! model's `config.json` into an op graph (crate `markbase-graph`), and runs it
+//! on the GPU through wgpu/WGSL, or on the CPU reference executor.
+
+pub mod cli;
+pub mod cpu;
+pub mod gpu;
+pub mod inspect;
+pub mod loader;
+pub mod quant;
+pub mod weights;
+
+pub use markbase_graph as graph;

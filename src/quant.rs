@@ -1,0 +1,1 @@
+//! Decoding of MLX quantized weights on the CPU.
