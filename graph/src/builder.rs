@@ -64,7 +64,8 @@ pub struct BuildOptions {
     pub outputs: Outputs,
     /// Tensor prefix; `None` = the model type's default.
     pub prefix: Option<String>,
-    /// Round Gemma constants (embedding scale) to bf16 as mlx-lm does.
+    /// Round Gemma 3n/4 constants (embedding scale) to bf16, as mlx-lm does on bf16
+    /// checkpoints; off = exact, as in f32 runs. Gemma 3 always uses bf16(sqrt(H)).
     pub bf16_constants: bool,
 }
 
@@ -77,7 +78,7 @@ impl BuildOptions {
             chunk: tokens.max(1),
             outputs: Outputs::AllLogits,
             prefix: None,
-            bf16_constants: true,
+            bf16_constants: false,
         }
     }
     pub fn decode(max_context: usize, chunk: usize) -> Self {
@@ -88,7 +89,7 @@ impl BuildOptions {
             chunk,
             outputs: Outputs::LastLogits,
             prefix: None,
-            bf16_constants: true,
+            bf16_constants: false,
         }
     }
 }
@@ -180,7 +181,8 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
     }
     match cfg.family {
         Family::Gemma3 => build_gemma3(cfg, res, o),
-        Family::Gemma4 | Family::Gemma3n => Err(BuildError::Config(format!(
+        Family::Gemma4 => build_gemma4(cfg, res, o),
+        Family::Gemma3n => Err(BuildError::Config(format!(
             "model_type {}: graph builder not implemented yet for this family",
             cfg.model_type
         ))),
@@ -283,4 +285,128 @@ fn head(b: &mut B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOptio
     b.g.set_output("logits", logits);
     b.g.set_output("token", tok);
     Ok(std::mem::replace(&mut b.g, Graph::new(0, o.kind)))
+}
+
+fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
+    let t = o.tokens;
+    let (h, nq) = (cfg.hidden_size, cfg.num_heads);
+    let nl = cfg.num_layers;
+    let pd = cfg.hidden_size_per_layer_input;
+    let mut g = Graph::new(t, o.kind);
+    let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[t]));
+    let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[t]));
+    let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
+    let mut b = B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32 };
+    let conv = NormScale::W;
+    let k_const = |x: f32| if o.bf16_constants { round_bf16(x) } else { x };
+
+    let emb = b.w("embed_tokens", None, &[cfg.vocab_size, h], true);
+    let mut x = b.op("embed", None, Op::Embed { scale: k_const((h as f32).sqrt()), clamp: None }, &[tokens, emb])?;
+
+    // Per-layer inputs: [T, L, Pd], one slice per layer.
+    let pli = if pd > 0 {
+        let tab = b.w("embed_tokens_per_layer", None, &[cfg.vocab_size_per_layer_input, nl * pd], true);
+        let tok = b.op("ple_embed", None, Op::Embed { scale: k_const((pd as f32).sqrt()), clamp: None }, &[tokens, tab])?;
+        let proj = b.linear("ple_proj", None, x, "per_layer_model_projection", nl * pd)?;
+        let proj = b.op("ple_proj_scale", None, Op::Unary { f: UnaryOp::Scale { factor: k_const((h as f32).powf(-0.5)) } }, &[proj])?;
+        let proj = b.reshape("ple_proj_slots", None, proj, &[t, nl, pd])?;
+        let proj = b.norm("ple_proj_norm", None, proj, Some("per_layer_projection_norm.weight"), conv)?;
+        let tok = b.reshape("ple_embed_slots", None, tok, &[t, nl, pd])?;
+        let sum = b.add("ple_sum", None, proj, tok)?;
+        let sum = b.op("ple_inputs", None, Op::Unary { f: UnaryOp::Scale { factor: k_const(0.5f32.sqrt()) } }, &[sum])?;
+        Some(sum)
+    } else {
+        None
+    };
+
+    let first_shared = cfg.first_shared_layer();
+    let mut caches: Vec<Option<(NodeIndex, NodeIndex)>> = vec![None; nl];
+    for i in 0..nl {
+        let l = Some(i);
+        let p = |s: &str| format!("layers.{i}.{s}");
+        let lt = cfg.layer_types[i];
+        let full = lt == LayerType::Full;
+        let d = cfg.layer_head_dim(i);
+        let nkv = cfg.layer_kv_heads(i);
+        let xn = b.norm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
+        let q = b.linear("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
+        let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
+        let q = b.norm("q_norm", l, q, Some(&p("self_attn.q_norm.weight")), conv)?;
+        let rope = cfg.layer_rope(i).clone();
+        let pairs = if rope.partial < 1.0 { ((d as f64 * rope.partial) as usize) / 2 } else { d / 2 };
+        let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: pairs };
+        let q = b.op("q_rope", l, rop.clone(), &[q, b.pos])?;
+        let (kc, vc) = if i < first_shared {
+            let k = b.linear("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
+            let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
+            let v = if full && cfg.attention_k_eq_v {
+                k
+            } else {
+                let v = b.linear("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
+                b.reshape("v_heads", l, v, &[t, nkv, d])?
+            };
+            let k = b.norm("k_norm", l, k, Some(&p("self_attn.k_norm.weight")), conv)?;
+            let k = b.op("k_rope", l, rop, &[k, b.pos])?;
+            let v = b.norm("v_norm", l, v, None, NormScale::None)?;
+            let kv = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
+            caches[i] = Some(kv);
+            kv
+        } else {
+            let src = cfg.kv_source(i);
+            caches[src].ok_or_else(|| BuildError::Config(format!("layer {i}: KV source layer {src} has no cache")))?
+        };
+        let window = if lt == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
+        let a = b.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, b.pos, kc, vc])?;
+        let a = b.reshape("attn_flat", l, a, &[t, nq * d])?;
+        let a = b.linear("o_proj", l, a, &p("self_attn.o_proj"), h)?;
+        let a = b.norm("post_attn_norm", l, a, Some(&p("post_attention_layernorm.weight")), conv)?;
+        x = b.add("attn_residual", l, x, a)?;
+
+        let inter = cfg.layer_intermediate(i);
+        let m = b.norm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
+        let gt = b.linear("gate_proj", l, m, &p("mlp.gate_proj"), inter)?;
+        let up = b.linear("up_proj", l, m, &p("mlp.up_proj"), inter)?;
+        let gu = b.op("geglu", l, Op::GeGlu, &[gt, up])?;
+        let mut u = b.linear("down_proj", l, gu, &p("mlp.down_proj"), h)?;
+        if cfg.enable_moe_block {
+            let e = cfg.num_experts.ok_or_else(|| BuildError::Config("MoE without num_experts".into()))?;
+            let k = cfg.top_k_experts.ok_or_else(|| BuildError::Config("MoE without top_k_experts".into()))?;
+            let im = cfg.moe_intermediate_size.ok_or_else(|| BuildError::Config("MoE without moe_intermediate_size".into()))?;
+            let h1 = b.norm("post_ff_norm_1", l, u, Some(&p("post_feedforward_layernorm_1.weight")), conv)?;
+            // Router: rms(h) * router.scale * H^-0.5, projected, top-k, softmax over the k.
+            let z = b.norm("router_norm", l, x, Some(&p("router.scale")), conv)?;
+            let z = b.op("router_in", l, Op::Unary { f: UnaryOp::Scale { factor: k_const((h as f32).powf(-0.5)) } }, &[z])?;
+            let logits = b.linear("router", l, z, &p("router.proj"), e)?;
+            let ids = b.op("top_k", l, Op::TopK { k }, &[logits])?;
+            let pes = b.w(&p("router.per_expert_scale"), l, &[e], false);
+            let wgt = b.op("route_weights", l, Op::TopKSoftmax, &[logits, ids, pes])?;
+            let x2 = b.norm("pre_ff_norm_2", l, x, Some(&p("pre_feedforward_layernorm_2.weight")), conv)?;
+            let wg = b.w(&p("experts.switch_glu.gate_proj"), l, &[e, im, h], true);
+            let wu = b.w(&p("experts.switch_glu.up_proj"), l, &[e, im, h], true);
+            let wd = b.w(&p("experts.switch_glu.down_proj"), l, &[e, h, im], true);
+            let eg = b.op("expert_gate", l, Op::GatherMatMul, &[x2, ids, wg])?;
+            let eu = b.op("expert_up", l, Op::GatherMatMul, &[x2, ids, wu])?;
+            let egu = b.op("expert_geglu", l, Op::GeGlu, &[eg, eu])?;
+            let ed = b.op("expert_down", l, Op::GatherMatMul, &[egu, ids, wd])?;
+            let h2 = b.op("expert_sum", l, Op::WeightedSum, &[ed, wgt])?;
+            let h2 = b.norm("post_ff_norm_2", l, h2, Some(&p("post_feedforward_layernorm_2.weight")), conv)?;
+            u = b.add("ff_sum", l, h1, h2)?;
+        }
+        let u = b.norm("post_ff_norm", l, u, Some(&p("post_feedforward_layernorm.weight")), conv)?;
+        x = b.add("ff_residual", l, x, u)?;
+
+        if let Some(pli) = pli {
+            let gate = b.linear("ple_gate", l, x, &p("per_layer_input_gate"), pd)?;
+            let gate = b.op("ple_gelu", l, Op::Unary { f: UnaryOp::Gelu }, &[gate])?;
+            let slot = b.op("ple_slot", l, Op::Slice { axis: 1, start: i, len: 1 }, &[pli])?;
+            let slot = b.reshape("ple_slot_flat", l, slot, &[t, pd])?;
+            let gated = b.op("ple_mul", l, Op::Binary { f: BinaryOp::Mul }, &[gate, slot])?;
+            let pr = b.linear("ple_projection", l, gated, &p("per_layer_projection"), h)?;
+            let pr = b.norm("ple_norm", l, pr, Some(&p("post_per_layer_input_norm.weight")), conv)?;
+            x = b.add("ple_residual", l, x, pr)?;
+        }
+        let ls = b.w(&p("layer_scalar"), l, &[1], false);
+        x = b.op("layer_scalar", l, Op::Binary { f: BinaryOp::Mul }, &[x, ls])?;
+    }
+    head(&mut b, x, emb, conv, o)
 }
