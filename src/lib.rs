@@ -7,7 +7,10 @@ pub mod cpu;
 pub mod gpu;
 pub mod inspect;
 pub mod loader;
+pub mod model;
 pub mod quant;
+pub mod synthetic;
+pub mod tokenizer;
 pub mod weights;
 
 pub use markbase_graph as graph;

@@ -1,1 +1,410 @@
 //! Decoding of MLX quantized weights on the CPU.
+//!
+//! Every MLX storage mode is decoded to f32, bit-exact with `mx.dequantize(...,
+//! dtype=float32)` given f32 (or uint8) scales:
+//!
+//! * affine (2/3/4/5/6/8 bits, groups 32/64/128): `w = s*q + b` evaluated in f32
+//!   (one rounding after the multiply, one after the add; no FMA);
+//! * mxfp4: `e2m1(q) * e8m0(s)`, mxfp8: `e4m3(q) * e8m0(s)`;
+//! * nvfp4: `e2m1(q) * e4m3(s)`, with a global scale
+//!   `e2m1(q) * (e4m3(s) * (global_scale[e] / 2688))` — this f32 evaluation order
+//!   is the one MLX uses (2688 = 6 * 448);
+//! * plain float tensors (bf16/f16/f32) are converted.
+//!
+//! Packing: each row is an LSB-first bit stream over little-endian u32 words;
+//! element `j` occupies stream bits `[j*b, j*b+b)` (see docs in `mlx-format.md`).
+//! Rows start word-aligned because `in*bits` is a multiple of 32.
+
+use std::ops::Range;
+
+use markbase_graph::quant::{QuantMode, QuantSpec, WeightFormat};
+use rayon::prelude::*;
+
+use crate::weights::{RawDType, RawTensor, WeightData};
+
+/// E2M1 (fp4) code → value. Bit 3 is the sign; codes 0..7 are
+/// `0, 0.5, 1, 1.5, 2, 3, 4, 6`. Only the low 4 bits of `code` are used.
+pub fn e2m1(code: u8) -> f32 {
+    const MAG: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let m = MAG[(code & 7) as usize];
+    if code & 8 != 0 {
+        -m
+    } else {
+        m
+    }
+}
+
+/// E4M3FN (OCP fp8) byte → value: sign bit 7, exponent bits 6..3 (bias 7),
+/// mantissa bits 2..0; subnormals for exponent 0; `0x7F`/`0xFF` are NaN; no infinities.
+pub fn e4m3(byte: u8) -> f32 {
+    let e = ((byte >> 3) & 0xf) as i32;
+    let m = (byte & 7) as f32;
+    let mag = if e == 0xf && byte & 7 == 7 {
+        f32::NAN
+    } else if e == 0 {
+        // m/8 * 2^-6, exact in f32.
+        m * (1.0 / 512.0)
+    } else {
+        (1.0 + m / 8.0) * pow2(e - 7)
+    };
+    if byte & 0x80 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// E8M0 (shared exponent) byte → `2^(u-127)`; 255 is NaN.
+pub fn e8m0(byte: u8) -> f32 {
+    match byte {
+        255 => f32::NAN,
+        // 2^-127 is an f32 subnormal.
+        0 => f32::from_bits(0x0040_0000),
+        u => f32::from_bits((u as u32) << 23),
+    }
+}
+
+/// 2^e for small integer exponents, exactly.
+fn pow2(e: i32) -> f32 {
+    debug_assert!((-126..=127).contains(&e));
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// Code of element `j` of one packed row (`words`, LSB-first bit stream) at
+/// `bits` per element. Handles elements that straddle two words (3/5/6 bits).
+pub fn unpack(bits: u32, words: &[u32], j: usize) -> u32 {
+    let bitpos = j * bits as usize;
+    let w = bitpos >> 5;
+    let s = (bitpos & 31) as u32;
+    let mask = if bits >= 32 { u32::MAX } else { (1u32 << bits) - 1 };
+    let mut q = (words[w] >> s) & mask;
+    if s + bits > 32 {
+        q |= (words[w + 1] << (32 - s)) & mask;
+    }
+    q
+}
+
+/// Reads u32 word `i` of a little-endian byte slice (unaligned-safe).
+#[inline(always)]
+fn word(bytes: &[u8], i: usize) -> u32 {
+    let b = &bytes[i * 4..i * 4 + 4];
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Scalar decoder for one float element of the given stored dtype.
+#[inline(always)]
+fn float_at(dtype: RawDType, bytes: &[u8], i: usize) -> f32 {
+    match dtype {
+        RawDType::Bf16 => f32::from_bits((u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]) as u32) << 16),
+        RawDType::F16 => half::f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        RawDType::F32 => f32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]),
+        // Callers validate the dtype first.
+        _ => f32::NAN,
+    }
+}
+
+fn is_float(d: RawDType) -> bool {
+    matches!(d, RawDType::Bf16 | RawDType::F16 | RawDType::F32)
+}
+
+/// A validated view of a [`WeightData`]: how to decode row `r`.
+enum Plan<'a> {
+    Float {
+        t: &'a RawTensor,
+    },
+    Quant {
+        spec: QuantSpec,
+        w: &'a [u8],
+        scales: &'a RawTensor,
+        biases: Option<&'a RawTensor>,
+        /// Per-expert factor `global_scale[e] / 2688` (nvfp4 only) and rows per expert.
+        global: Option<(Vec<f32>, usize)>,
+    },
+}
+
+struct Layout<'a> {
+    plan: Plan<'a>,
+    rows: usize,
+    cols: usize,
+}
+
+fn shape_str(s: &[usize]) -> String {
+    format!("{s:?}")
+}
+
+/// Checks the tensors of `w` against its declared float shape and format.
+fn layout(w: &WeightData) -> Result<Layout<'_>, String> {
+    let name = &w.param.name;
+    let shape = &w.param.shape;
+    let cols = *shape.last().ok_or_else(|| format!("{name}: empty shape"))?;
+    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| format!("{name}: shape overflows"))?;
+    let rows = if cols == 0 { 0 } else { numel / cols };
+    let lead = &shape[..shape.len() - 1];
+    match w.param.format {
+        WeightFormat::Float { .. } => {
+            let t = &w.weight;
+            if !is_float(t.dtype) {
+                return Err(format!("{name}: float weight has dtype {}", t.dtype.name()));
+            }
+            if t.numel() != numel || t.bytes.len() != numel * t.dtype.bytes() {
+                return Err(format!("{name}: tensor {} {} does not hold shape {}", t.dtype.name(), shape_str(&t.shape), shape_str(shape)));
+            }
+            Ok(Layout { plan: Plan::Float { t }, rows, cols })
+        }
+        WeightFormat::Quantized { spec, global_scale } => {
+            spec.validate().map_err(|e| format!("{name}: {e}"))?;
+            if !spec.fits(cols) {
+                return Err(format!("{name}: input dim {cols} does not fit {}", spec.describe()));
+            }
+            let wcols = spec.packed_cols(cols);
+            let groups = spec.groups(cols);
+            let mut wshape = lead.to_vec();
+            wshape.push(wcols);
+            let mut sshape = lead.to_vec();
+            sshape.push(groups);
+            let t = &w.weight;
+            if t.dtype != RawDType::U32 || t.shape != wshape || t.bytes.len() != rows * wcols * 4 {
+                return Err(format!(
+                    "{name}.weight: {} {} (bytes {}), expected U32 {} for {}",
+                    t.dtype.name(),
+                    shape_str(&t.shape),
+                    t.bytes.len(),
+                    shape_str(&wshape),
+                    spec.describe()
+                ));
+            }
+            let scales = w.scales.as_ref().ok_or_else(|| format!("{name}.scales missing"))?;
+            let scale_ok = match spec.mode {
+                QuantMode::Affine => is_float(scales.dtype),
+                _ => scales.dtype == RawDType::U8,
+            };
+            if !scale_ok || scales.shape != sshape || scales.bytes.len() != rows * groups * scales.dtype.bytes() {
+                return Err(format!("{name}.scales: {} {}, expected {} for {}", scales.dtype.name(), shape_str(&scales.shape), shape_str(&sshape), spec.describe()));
+            }
+            let biases = match (spec.mode, &w.biases) {
+                (QuantMode::Affine, Some(b)) => {
+                    if !is_float(b.dtype) || b.shape != sshape || b.bytes.len() != rows * groups * b.dtype.bytes() {
+                        return Err(format!("{name}.biases: {} {}, expected float {}", b.dtype.name(), shape_str(&b.shape), shape_str(&sshape)));
+                    }
+                    Some(b)
+                }
+                (QuantMode::Affine, None) => return Err(format!("{name}.biases missing (affine)")),
+                (_, Some(_)) => return Err(format!("{name}: {} has no biases but .biases is present", spec.mode.name())),
+                (_, None) => None,
+            };
+            let global = match (&w.global_scale, spec.mode) {
+                (Some(g), QuantMode::Nvfp4) => {
+                    let e = g.numel();
+                    if g.dtype != RawDType::F32 || e == 0 || g.bytes.len() != e * 4 || rows % e != 0 {
+                        return Err(format!("{name}.global_scale: {} {} does not fit {rows} rows", g.dtype.name(), shape_str(&g.shape)));
+                    }
+                    // MLX: e4m3(s) * (global_scale / (6 * 448)), all in f32.
+                    let f = g.to_f32().into_iter().map(|x| x / 2688.0f32).collect();
+                    Some((f, rows / e))
+                }
+                (Some(_), m) => return Err(format!("{name}: .global_scale is only valid for nvfp4, not {}", m.name())),
+                (None, _) => {
+                    if global_scale {
+                        return Err(format!("{name}.global_scale missing"));
+                    }
+                    None
+                }
+            };
+            Ok(Layout { plan: Plan::Quant { spec, w: &t.bytes, scales, biases, global }, rows, cols })
+        }
+    }
+}
+
+/// Lookup tables for the element and scale codes of the fp modes.
+struct Tables {
+    e2m1: [f32; 16],
+    e4m3: [f32; 256],
+    e8m0: [f32; 256],
+}
+
+impl Tables {
+    fn new() -> Self {
+        let mut t = Tables { e2m1: [0.0; 16], e4m3: [0.0; 256], e8m0: [0.0; 256] };
+        for i in 0..16 {
+            t.e2m1[i] = e2m1(i as u8);
+        }
+        for i in 0..256 {
+            t.e4m3[i] = e4m3(i as u8);
+            t.e8m0[i] = e8m0(i as u8);
+        }
+        t
+    }
+}
+
+/// LSB-first bit reader over the little-endian u32 words of one row.
+struct BitReader<'a> {
+    bytes: &'a [u8],
+    next_word: usize,
+    acc: u64,
+    n: u32,
+}
+
+impl<'a> BitReader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        BitReader { bytes, next_word: 0, acc: 0, n: 0 }
+    }
+    /// Next `bits`-wide code (bits ≤ 32).
+    #[inline(always)]
+    fn take(&mut self, bits: u32, mask: u64) -> u32 {
+        if self.n < bits {
+            self.acc |= (word(self.bytes, self.next_word) as u64) << self.n;
+            self.next_word += 1;
+            self.n += 32;
+        }
+        let q = (self.acc & mask) as u32;
+        self.acc >>= bits;
+        self.n -= bits;
+        q
+    }
+}
+
+impl Layout<'_> {
+    /// Decodes row `r` into `out` (`cols` values).
+    fn row(&self, r: usize, out: &mut [f32], tab: &Tables) {
+        let cols = self.cols;
+        match &self.plan {
+            Plan::Float { t } => {
+                let base = r * cols;
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = float_at(t.dtype, &t.bytes, base + j);
+                }
+            }
+            Plan::Quant { spec, w, scales, biases, global } => {
+                let bits = spec.bits as u32;
+                let mask = (1u64 << bits) - 1;
+                let gs = spec.group_size;
+                let groups = cols / gs;
+                let row_bytes = cols * spec.bits / 8;
+                let mut rd = BitReader::new(&w[r * row_bytes..(r + 1) * row_bytes]);
+                let s0 = r * groups;
+                match spec.mode {
+                    QuantMode::Affine => {
+                        let b = biases.expect("validated");
+                        for g in 0..groups {
+                            let s = float_at(scales.dtype, &scales.bytes, s0 + g);
+                            let bb = float_at(b.dtype, &b.bytes, s0 + g);
+                            for o in &mut out[g * gs..(g + 1) * gs] {
+                                let q = rd.take(bits, mask) as f32;
+                                // Two separate roundings, like MLX (`s*q + b` in f32).
+                                *o = s * q + bb;
+                            }
+                        }
+                    }
+                    QuantMode::Mxfp4 | QuantMode::Mxfp8 => {
+                        let fp4 = spec.mode == QuantMode::Mxfp4;
+                        for g in 0..groups {
+                            let s = tab.e8m0[scales.bytes[s0 + g] as usize];
+                            for o in &mut out[g * gs..(g + 1) * gs] {
+                                let q = rd.take(bits, mask) as usize;
+                                let v = if fp4 { tab.e2m1[q] } else { tab.e4m3[q] };
+                                *o = v * s;
+                            }
+                        }
+                    }
+                    QuantMode::Nvfp4 => {
+                        let gf = global.as_ref().map(|(f, per)| f[r / per]);
+                        for g in 0..groups {
+                            let mut s = tab.e4m3[scales.bytes[s0 + g] as usize];
+                            if let Some(gf) = gf {
+                                s *= gf;
+                            }
+                            for o in &mut out[g * gs..(g + 1) * gs] {
+                                *o = tab.e2m1[rd.take(bits, mask) as usize] * s;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn rows_into(&self, rows: Range<usize>, out: &mut [f32]) {
+        let cols = self.cols;
+        if cols == 0 {
+            return;
+        }
+        let tab = Tables::new();
+        let start = rows.start;
+        // Parallel over chunks of rows; tiny requests stay on this thread.
+        if rows.len() * cols < 1 << 16 {
+            for (i, o) in out.chunks_mut(cols).enumerate() {
+                self.row(start + i, o, &tab);
+            }
+        } else {
+            let rows_per_task = ((1 << 15) / cols).max(1);
+            out.par_chunks_mut(rows_per_task * cols).enumerate().for_each(|(c, chunk)| {
+                for (i, o) in chunk.chunks_mut(cols).enumerate() {
+                    self.row(start + c * rows_per_task + i, o, &tab);
+                }
+            });
+        }
+    }
+}
+
+/// Number of rows (flattened leading dims) and row length (last dim) of `w`'s float shape.
+pub fn rows_cols(w: &WeightData) -> (usize, usize) {
+    let cols = w.param.shape.last().copied().unwrap_or(0);
+    let numel: usize = w.param.shape.iter().product();
+    (if cols == 0 { 0 } else { numel / cols }, cols)
+}
+
+/// Dequantizes (or converts) the whole tensor to f32, in its float shape.
+pub fn dequantize(w: &WeightData) -> Result<Vec<f32>, String> {
+    let l = layout(w)?;
+    let mut out = vec![0f32; l.rows * l.cols];
+    l.rows_into(0..l.rows, &mut out);
+    Ok(out)
+}
+
+/// Dequantizes rows `rows` of the float shape flattened to `[rows, in]` (for a
+/// 3-D expert stack `[E, out, in]`, row `e*out + r`) into `out`
+/// (`rows.len() * in` values). Used for embedding lookups and chunked work.
+///
+/// # Panics
+/// When `w` is inconsistent or `rows`/`out` do not fit; see [`try_dequantize_rows`]
+/// for the fallible form. Weights from the loader are always consistent.
+pub fn dequantize_rows(w: &WeightData, rows: Range<usize>, out: &mut [f32]) {
+    if let Err(e) = try_dequantize_rows(w, rows, out) {
+        panic!("dequantize_rows: {e}");
+    }
+}
+
+/// Fallible form of [`dequantize_rows`].
+pub fn try_dequantize_rows(w: &WeightData, rows: Range<usize>, out: &mut [f32]) -> Result<(), String> {
+    let l = layout(w)?;
+    if rows.start > rows.end || rows.end > l.rows {
+        return Err(format!("{}: rows {rows:?} out of range (0..{})", w.param.name, l.rows));
+    }
+    if out.len() != rows.len() * l.cols {
+        return Err(format!("{}: output holds {} values, {} rows need {}", w.param.name, out.len(), rows.len(), rows.len() * l.cols));
+    }
+    l.rows_into(rows, out);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_table_facts() {
+        assert_eq!(e4m3(0x7e), 448.0);
+        assert!(e4m3(0x7f).is_nan() && e4m3(0xff).is_nan());
+        assert_eq!(e4m3(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3(0x80), -0.0);
+    }
+
+    #[test]
+    fn e8m0_facts() {
+        assert_eq!(e8m0(127), 1.0);
+        assert_eq!(e8m0(0), 2f32.powi(-127));
+        assert_eq!(e8m0(254), 2f32.powi(127));
+        assert!(e8m0(255).is_nan());
+    }
+}

@@ -64,6 +64,8 @@ pub struct BuildOptions {
     pub outputs: Outputs,
     /// Tensor prefix; `None` = the model type's default.
     pub prefix: Option<String>,
+    /// Sample the next token on the device (`Op::Sample`) instead of taking the argmax.
+    pub sample: bool,
     /// Round Gemma 3n/4 constants (embedding scale) to bf16, as mlx-lm does on bf16
     /// checkpoints; off = exact, as in f32 runs. Gemma 3 always uses bf16(sqrt(H)).
     pub bf16_constants: bool,
@@ -78,6 +80,7 @@ impl BuildOptions {
             chunk: tokens.max(1),
             outputs: Outputs::AllLogits,
             prefix: None,
+            sample: false,
             bf16_constants: false,
         }
     }
@@ -89,6 +92,7 @@ impl BuildOptions {
             chunk,
             outputs: Outputs::LastLogits,
             prefix: None,
+            sample: false,
             bf16_constants: false,
         }
     }
@@ -101,6 +105,9 @@ pub fn round_bf16(x: f32) -> f32 {
     let r = b.wrapping_add(0x7fff + lsb) & 0xffff_0000;
     f32::from_bits(r)
 }
+
+/// Length of the recent-token window of the repetition penalty (mlx-lm's default context is 20).
+pub const RECENT_TOKENS: usize = 64;
 
 /// KV-cache slots of a layer type.
 pub fn cache_slots(cfg: &ModelConfig, t: LayerType, o: &BuildOptions) -> usize {
@@ -281,7 +288,13 @@ fn head(b: &mut B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOptio
     if let Some(cap) = b.cfg.final_logit_softcap {
         logits = b.op("softcap", None, Op::Unary { f: UnaryOp::Softcap { cap: cap as f32 } }, &[logits])?;
     }
-    let tok = b.op("argmax", None, Op::Argmax, &[logits])?;
+    let tok = if o.sample {
+        let params = b.g.input("sampling_params", InputKind::SamplingParams, TensorType::u32(&[crate::ops::SAMPLE_PARAMS]));
+        let recent = b.g.input("recent_tokens", InputKind::RecentTokens, TensorType::u32(&[RECENT_TOKENS]));
+        b.op("sample", None, Op::Sample, &[logits, params, recent])?
+    } else {
+        b.op("argmax", None, Op::Argmax, &[logits])?
+    };
     b.g.set_output("logits", logits);
     b.g.set_output("token", tok);
     Ok(std::mem::replace(&mut b.g, Graph::new(0, o.kind)))

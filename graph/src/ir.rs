@@ -49,10 +49,14 @@ pub enum InputKind {
     Tokens,
     /// Absolute positions `u32[T]`.
     Positions,
+    /// Sampling parameters `u32[8]` (see `Op::Sample`).
+    SamplingParams,
+    /// Recent token ids `u32[R]` for the repetition penalty.
+    RecentTokens,
 }
 
 /// Persistent state owned by the runtime across steps.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum StateKind {
     /// K or V cache of one layer: `f32[slots, kv_heads, head_dim]`.

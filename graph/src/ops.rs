@@ -141,7 +141,15 @@ pub enum Op {
     Concat { axis: usize },
     /// `[logits: f32[T, V]] -> u32[1]`: argmax of the last row.
     Argmax,
+    /// `[logits: f32[T, V], params: u32[8], recent: u32[R]] -> u32[1]`: samples a token
+    /// from the last row. `params` (host-written each step, f32 as bits):
+    /// `[temperature, top_k, top_p, min_p, repetition_penalty, seed, step, n_recent]`;
+    /// the first `n_recent` ids of `recent` get the repetition penalty. Temperature 0 = greedy.
+    Sample,
 }
+
+/// Number of u32 words of the sampling parameters.
+pub const SAMPLE_PARAMS: usize = 8;
 
 /// An op's inputs did not fit it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -175,6 +183,7 @@ impl Op {
             Op::Slice { .. } => "slice",
             Op::Concat { .. } => "concat",
             Op::Argmax => "argmax",
+            Op::Sample => "sample",
         }
     }
 
@@ -424,6 +433,16 @@ impl Op {
                 let l = f32_in(0)?;
                 if l.shape.len() != 2 {
                     return Err(err(format!("logits {}", l.describe())));
+                }
+                Ok(TensorType::u32(&[1]))
+            }
+            Op::Sample => {
+                need(3)?;
+                let l = f32_in(0)?;
+                let p = u32_in(1)?;
+                let r = u32_in(2)?;
+                if l.shape.len() != 2 || p.shape != [SAMPLE_PARAMS] || r.shape.len() != 1 {
+                    return Err(err(format!("logits {} params {} recent {}", l.describe(), p.describe(), r.describe())));
                 }
                 Ok(TensorType::u32(&[1]))
             }

@@ -1,3 +1,4 @@
 //! CPU lowering of the ops and the CPU reference executor.
 
+pub mod exec;
 pub mod ops;

@@ -230,3 +230,118 @@ pub fn concat(parts: &[(&[f32], usize)], shape_out: &[usize], axis: usize, out: 
         off += n;
     }
 }
+
+/// 32-bit integer hash (PCG output permutation); the device uses the same one.
+pub fn pcg_hash(x: u32) -> u32 {
+    let state = x.wrapping_mul(747_796_405).wrapping_add(2_891_336_453);
+    let word = ((state >> ((state >> 28) + 4)) ^ state).wrapping_mul(277_803_737);
+    (word >> 22) ^ word
+}
+
+/// Uniform in `[0, 1)` for a (seed, step) pair; 24 random bits.
+pub fn uniform(seed: u32, step: u32) -> f32 {
+    let h = pcg_hash(seed ^ pcg_hash(step.wrapping_add(0x9e37_79b9)));
+    (h >> 8) as f32 / (1u32 << 24) as f32
+}
+
+/// Sampling parameters as the device reads them (`Op::Sample`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: u32,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 1 = off.
+    pub repetition_penalty: f32,
+    pub seed: u32,
+}
+
+impl Default for SampleParams {
+    fn default() -> Self {
+        SampleParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
+    }
+}
+
+impl SampleParams {
+    /// The `u32[8]` parameter block for a step.
+    pub fn words(&self, step: u32, n_recent: u32) -> [u32; 8] {
+        [
+            self.temperature.to_bits(),
+            self.top_k,
+            self.top_p.to_bits(),
+            self.min_p.to_bits(),
+            self.repetition_penalty.to_bits(),
+            self.seed,
+            step,
+            n_recent,
+        ]
+    }
+}
+
+/// Samples from one row of logits, as `Op::Sample` defines it:
+/// repetition penalty on the recent ids (once per distinct id: `l < 0 ? l*p : l/p`),
+/// greedy at temperature 0, else `z = l/T` restricted to the tokens that pass
+/// every enabled filter (top-k by value, ties kept; min-p: `z >= max + ln(min_p)`;
+/// top-p: the smallest value threshold whose kept mass reaches `top_p`), then the
+/// inverse-CDF pick at `uniform(seed, step)` in index order.
+pub fn sample(logits: &[f32], params: &[u32; 8], recent: &[u32]) -> u32 {
+    let f = f32::from_bits;
+    let (temp, top_k, top_p, min_p, pen) = (f(params[0]), params[1], f(params[2]), f(params[3]), f(params[4]));
+    let (seed, step, n_recent) = (params[5], params[6], params[7] as usize);
+    let mut l = logits.to_vec();
+    if pen != 1.0 && pen > 0.0 {
+        let mut ids: Vec<u32> = recent[..n_recent.min(recent.len())].to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v = if *v < 0.0 { *v * pen } else { *v / pen };
+            }
+        }
+    }
+    if temp <= 0.0 {
+        return argmax(&l);
+    }
+    let z: Vec<f32> = l.iter().map(|v| v / temp).collect();
+    let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut thr = f32::NEG_INFINITY;
+    if top_k > 0 && (top_k as usize) < z.len() {
+        let mut s = z.clone();
+        s.sort_by(|a, b| b.total_cmp(a));
+        thr = thr.max(s[top_k as usize - 1]);
+    }
+    if min_p > 0.0 {
+        thr = thr.max(m + min_p.ln());
+    }
+    if top_p < 1.0 {
+        let mut s: Vec<f32> = z.clone();
+        s.sort_by(|a, b| b.total_cmp(a));
+        let total: f64 = s.iter().map(|&v| ((v - m) as f64).exp()).sum();
+        let mut acc = 0f64;
+        for &v in &s {
+            acc += ((v - m) as f64).exp();
+            if acc >= top_p as f64 * total {
+                thr = thr.max(v);
+                break;
+            }
+        }
+    }
+    let kept: f64 = z.iter().filter(|&&v| v >= thr).map(|&v| ((v - m) as f64).exp()).sum();
+    let u = uniform(seed, step) as f64 * kept;
+    let mut acc = 0f64;
+    let mut last = 0u32;
+    for (i, &v) in z.iter().enumerate() {
+        if v >= thr {
+            acc += ((v - m) as f64).exp();
+            last = i as u32;
+            if acc > u {
+                return i as u32;
+            }
+        }
+    }
+    last
+}

@@ -1,1 +1,3 @@
 //! wgpu device, kernels and graph runtime.
+pub mod device;
+pub mod runtime;

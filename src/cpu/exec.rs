@@ -1,0 +1,318 @@
+//! The CPU reference executor: runs a compiled graph op by op in f32,
+//! dequantizing weights, on the same graph the GPU runs. It is the oracle of
+//! the kernel and model tests and the `cpu` backend of the benchmarks.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use petgraph::graph::NodeIndex;
+
+use markbase_graph::ir::{InputKind, NodeKind, StateKind};
+use markbase_graph::ops::Op;
+use markbase_graph::passes::Compiled;
+
+use crate::cpu::ops;
+use crate::quant;
+use crate::weights::Weights;
+
+/// A value during execution.
+#[derive(Clone, Debug)]
+pub enum Val {
+    F(Rc<Vec<f32>>),
+    U(Rc<Vec<u32>>),
+}
+
+impl Val {
+    pub fn f(&self) -> &[f32] {
+        match self {
+            Val::F(v) => v,
+            Val::U(_) => panic!("expected an f32 value"),
+        }
+    }
+    pub fn u(&self) -> &[u32] {
+        match self {
+            Val::U(v) => v,
+            Val::F(_) => panic!("expected a u32 value"),
+        }
+    }
+}
+
+/// KV caches and other persistent state, shared by the prefill and decode graphs.
+#[derive(Default)]
+pub struct CpuState {
+    pub caches: HashMap<StateKind, Vec<f32>>,
+}
+
+impl CpuState {
+    pub fn clear(&mut self) {
+        self.caches.clear();
+    }
+}
+
+/// Dequantized weights, cached per name.
+pub struct CpuWeights {
+    pub weights: Arc<Weights>,
+    cache: HashMap<String, Rc<Vec<f32>>>,
+}
+
+impl CpuWeights {
+    pub fn new(weights: Arc<Weights>) -> Self {
+        CpuWeights { weights, cache: HashMap::new() }
+    }
+
+    fn full(&mut self, name: &str) -> Result<Rc<Vec<f32>>, String> {
+        if let Some(v) = self.cache.get(name) {
+            return Ok(v.clone());
+        }
+        let w = self.weights.get(name).ok_or_else(|| format!("weight {name} not loaded"))?;
+        let v = Rc::new(quant::dequantize(w)?);
+        self.cache.insert(name.to_string(), v.clone());
+        Ok(v)
+    }
+
+    fn rows(&self, name: &str, ids: &[u32], clamp: Option<u32>, d: usize) -> Result<Vec<f32>, String> {
+        let w = self.weights.get(name).ok_or_else(|| format!("weight {name} not loaded"))?;
+        let n_rows = w.param.shape[0];
+        let mut out = vec![0f32; ids.len() * d];
+        for (t, &id) in ids.iter().enumerate() {
+            let id = match clamp {
+                Some(c) if id >= c => 0,
+                _ => id,
+            } as usize;
+            if id >= n_rows {
+                return Err(format!("token id {id} out of range for {name} ({n_rows} rows)"));
+            }
+            quant::dequantize_rows(w, id..id + 1, &mut out[t * d..(t + 1) * d]);
+        }
+        Ok(out)
+    }
+}
+
+/// Output values of one step, by output name.
+pub type Outputs = HashMap<String, Val>;
+
+/// Host-written inputs of one step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepInputs<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    /// Sampling parameter words (graphs with `Op::Sample`).
+    pub sampling: [u32; 8],
+    /// Recent token ids for the repetition penalty.
+    pub recent: &'a [u32],
+}
+
+/// Runs `c` once.
+pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepInputs) -> Result<Outputs, String> {
+    let (tokens, positions) = (step.tokens, step.positions);
+    let g = &c.graph;
+    if tokens.len() != g.tokens || positions.len() != g.tokens {
+        return Err(format!("graph takes {} tokens, got {}", g.tokens, tokens.len()));
+    }
+    let mut vals: Vec<Option<Val>> = vec![None; g.g.node_count()];
+    let get = |vals: &Vec<Option<Val>>, n: NodeIndex| vals[n.index()].clone().expect("value computed before use");
+    for n in g.order() {
+        let node = g.node(n);
+        let v = match &node.kind {
+            NodeKind::Input { input } => match input {
+                InputKind::Tokens => Val::U(Rc::new(tokens.to_vec())),
+                InputKind::Positions => Val::U(Rc::new(positions.to_vec())),
+                InputKind::SamplingParams => Val::U(Rc::new(step.sampling.to_vec())),
+                InputKind::RecentTokens => {
+                    let mut r = step.recent.to_vec();
+                    r.resize(node.ty.numel(), 0);
+                    Val::U(Rc::new(r))
+                }
+            },
+            NodeKind::Weight { weight } => {
+                // Weights are fetched by their consumers (embedding rows or full matrices).
+                let _ = weight;
+                continue;
+            }
+            NodeKind::State { state: st } => {
+                let len = node.ty.numel();
+                let e = state.caches.entry(st.clone()).or_insert_with(|| vec![0.0; len]);
+                if e.len() != len {
+                    return Err(format!("state {:?} has {} elements, graph expects {len}", st, e.len()));
+                }
+                continue;
+            }
+            NodeKind::Op { op } => {
+                let ins = g.inputs(n);
+                let wname = |i: usize| g.node(ins[i]).weight().map(|p| p.name.clone());
+                let mut out = vec![0f32; node.ty.numel()];
+                match op {
+                    Op::Embed { scale, clamp } => {
+                        let ids = get(&vals, ins[0]);
+                        let d = node.ty.shape[1];
+                        let mut r = w.rows(&wname(1).unwrap(), ids.u(), *clamp, d)?;
+                        r.iter_mut().for_each(|x| *x *= scale);
+                        Val::F(Rc::new(r))
+                    }
+                    Op::MatMul => {
+                        let x = get(&vals, ins[0]);
+                        let wt = weight_or_value(g, w, &vals, ins[1])?;
+                        let (k, nn) = (g.node(ins[1]).ty.shape[1], g.node(ins[1]).ty.shape[0]);
+                        ops::matmul(x.f(), &wt, k, nn, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::GatherMatMul => {
+                        let x = get(&vals, ins[0]);
+                        let ids = get(&vals, ins[1]);
+                        let wt = weight_or_value(g, w, &vals, ins[2])?;
+                        let ws = &g.node(ins[2]).ty.shape;
+                        let (e, nn, k) = (ws[0], ws[1], ws[2]);
+                        let s = g.node(ins[1]).ty.shape[1];
+                        let x_per_slot = g.node(ins[0]).ty.shape.len() == 3;
+                        for (r, &id) in ids.u().iter().enumerate() {
+                            let id = id as usize;
+                            if id >= e {
+                                return Err(format!("expert id {id} out of range ({e} experts)"));
+                            }
+                            let xr = if x_per_slot { &x.f()[r * k..(r + 1) * k] } else { &x.f()[(r / s) * k..(r / s + 1) * k] };
+                            ops::matmul(xr, &wt[id * nn * k..(id + 1) * nn * k], k, nn, &mut out[r * nn..(r + 1) * nn]);
+                        }
+                        Val::F(Rc::new(out))
+                    }
+                    Op::RmsNorm { eps, scale } => {
+                        let x = get(&vals, ins[0]);
+                        let wt = if ins.len() > 1 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };
+                        ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, *scale, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::Rope { theta, factor, rotary_pairs } => {
+                        let x = get(&vals, ins[0]);
+                        let p = get(&vals, ins[1]);
+                        let s = &node.ty.shape;
+                        ops::rope(x.f(), p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::KvWrite => {
+                        let x = get(&vals, ins[0]);
+                        let p = get(&vals, ins[1]);
+                        let key = state_key(g, ins[2]);
+                        let row = node.ty.shape[1] * node.ty.shape[2];
+                        let cache = state.caches.get_mut(&key).ok_or("state missing")?;
+                        ops::kv_write(x.f(), p.u(), row, cache);
+                        // The value is the cache; readers fetch it from the state.
+                        Val::F(Rc::new(vec![]))
+                    }
+                    Op::Attention { scale, window } => {
+                        let q = get(&vals, ins[0]);
+                        let p = get(&vals, ins[1]);
+                        let k = &state.caches[&state_key(g, ins[2])];
+                        let v = &state.caches[&state_key(g, ins[3])];
+                        let (nq, d) = (node.ty.shape[1], node.ty.shape[2]);
+                        let nkv = g.node(ins[2]).ty.shape[1];
+                        let slots = g.node(ins[2]).ty.shape[0];
+                        for (t, &pp) in p.u().iter().enumerate() {
+                            if matches!(window, None) && pp as usize >= slots {
+                                return Err(format!("position {pp} (token {t}) exceeds the KV cache of {slots} slots"));
+                            }
+                        }
+                        ops::attention(q.f(), p.u(), k, v, nq, nkv, d, *scale, *window, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::Binary { f } => {
+                        let a = get(&vals, ins[0]);
+                        let b = weight_or_value(g, w, &vals, ins[1])?;
+                        ops::binary(*f, a.f(), &b, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::Unary { f } => {
+                        let x = get(&vals, ins[0]);
+                        ops::unary(*f, x.f(), &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::GeGlu => {
+                        let a = get(&vals, ins[0]);
+                        let b = get(&vals, ins[1]);
+                        ops::geglu(a.f(), b.f(), &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::TopK { k } => {
+                        let l = get(&vals, ins[0]);
+                        let mut o = vec![0u32; node.ty.numel()];
+                        ops::top_k(l.f(), g.node(ins[0]).ty.shape[1], *k, &mut o);
+                        Val::U(Rc::new(o))
+                    }
+                    Op::TopKSoftmax => {
+                        let l = get(&vals, ins[0]);
+                        let ids = get(&vals, ins[1]);
+                        let sc = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[2])?) } else { None };
+                        let e = g.node(ins[0]).ty.shape[1];
+                        ops::top_k_softmax(l.f(), e, ids.u(), node.ty.shape[1], sc.as_deref().map(|v| v.as_slice()), &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::WeightedSum => {
+                        let x = get(&vals, ins[0]);
+                        let wt = get(&vals, ins[1]);
+                        let xs = &g.node(ins[0]).ty.shape;
+                        ops::weighted_sum(x.f(), wt.f(), xs[1], xs[2], &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::Reshape { .. } => get(&vals, ins[0]),
+                    Op::Slice { axis, start, len } => {
+                        let x = get(&vals, ins[0]);
+                        ops::slice(x.f(), &g.node(ins[0]).ty.shape, *axis, *start, *len, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::Concat { axis } => {
+                        let parts: Vec<Val> = ins.iter().map(|&i| get(&vals, i)).collect();
+                        let p: Vec<(&[f32], usize)> =
+                            parts.iter().zip(&ins).map(|(v, &i)| (v.f(), g.node(i).ty.shape[*axis])).collect();
+                        ops::concat(&p, &node.ty.shape, *axis, &mut out);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::Sample => {
+                        let l = get(&vals, ins[0]);
+                        let v = g.node(ins[0]).ty.shape[1];
+                        let last = &l.f()[l.f().len() - v..];
+                        let p = get(&vals, ins[1]);
+                        let r = get(&vals, ins[2]);
+                        let mut pw = [0u32; 8];
+                        pw.copy_from_slice(&p.u()[..8]);
+                        Val::U(Rc::new(vec![ops::sample(last, &pw, r.u())]))
+                    }
+                    Op::Argmax => {
+                        let l = get(&vals, ins[0]);
+                        let v = g.node(ins[0]).ty.shape[1];
+                        let last = &l.f()[l.f().len() - v..];
+                        Val::U(Rc::new(vec![ops::argmax(last)]))
+                    }
+                }
+            }
+        };
+        vals[n.index()] = Some(v);
+    }
+    let mut outs = HashMap::new();
+    for (name, n) in &g.outputs {
+        outs.insert(name.clone(), vals[n.index()].clone().ok_or("output not computed")?);
+    }
+    Ok(outs)
+}
+
+fn state_key(g: &markbase_graph::Graph, n: NodeIndex) -> StateKind {
+    let root = g.storage_root(n);
+    match &g.node(root).kind {
+        NodeKind::State { state } => state.clone(),
+        _ => panic!("attention/kv_write input is not a state"),
+    }
+}
+
+/// An operand that is either a weight (dequantized) or a computed value.
+fn weight_or_value(
+    g: &markbase_graph::Graph,
+    w: &mut CpuWeights,
+    vals: &[Option<Val>],
+    n: NodeIndex,
+) -> Result<Rc<Vec<f32>>, String> {
+    match g.node(n).weight() {
+        Some(p) => w.full(&p.name),
+        None => match vals[n.index()].clone() {
+            Some(Val::F(v)) => Ok(v),
+            _ => Err(format!("operand {} is not an f32 value", g.node(n).name)),
+        },
+    }
+}

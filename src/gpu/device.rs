@@ -1,0 +1,401 @@
+//! The wgpu device: instance, adapter, device and queue, chosen by backend, with
+//! the adapter's own limits and optional features, plus buffer helpers.
+
+use std::fmt;
+use std::str::FromStr;
+
+use wgpu::util::DeviceExt;
+
+/// A graphics API wgpu can run compute on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    Vulkan,
+    Metal,
+    Dx12,
+    Gl,
+}
+
+impl Backend {
+    pub const ALL: [Backend; 4] = [Backend::Vulkan, Backend::Metal, Backend::Dx12, Backend::Gl];
+
+    /// The platform's best backend: Metal on Apple platforms, Vulkan elsewhere.
+    pub fn platform_default() -> Backend {
+        if cfg!(any(target_os = "macos", target_os = "ios")) {
+            Backend::Metal
+        } else {
+            Backend::Vulkan
+        }
+    }
+
+    /// `MARKBASE_BACKEND`, else `WGPU_BACKEND` (a comma list; its first entry that names
+    /// one of ours). `Ok(None)` when neither is set; an error for a value we cannot parse.
+    pub fn from_env() -> Result<Option<Backend>, GpuError> {
+        if let Ok(v) = std::env::var("MARKBASE_BACKEND") {
+            if !v.trim().is_empty() {
+                return v.parse().map(Some);
+            }
+        }
+        if let Ok(v) = std::env::var("WGPU_BACKEND") {
+            let found = v.split(',').find_map(|s| s.parse::<Backend>().ok());
+            return match found {
+                Some(b) => Ok(Some(b)),
+                None if v.trim().is_empty() => Ok(None),
+                None => Err(GpuError::BadBackend(v)),
+            };
+        }
+        Ok(None)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Vulkan => "vulkan",
+            Backend::Metal => "metal",
+            Backend::Dx12 => "dx12",
+            Backend::Gl => "gl",
+        }
+    }
+
+    pub fn to_wgpu(self) -> wgpu::Backends {
+        match self {
+            Backend::Vulkan => wgpu::Backends::VULKAN,
+            Backend::Metal => wgpu::Backends::METAL,
+            Backend::Dx12 => wgpu::Backends::DX12,
+            Backend::Gl => wgpu::Backends::GL,
+        }
+    }
+}
+
+impl FromStr for Backend {
+    type Err = GpuError;
+    fn from_str(s: &str) -> Result<Self, GpuError> {
+        Ok(match s.trim().to_ascii_lowercase().as_str() {
+            "vulkan" | "vk" => Backend::Vulkan,
+            "metal" | "mtl" => Backend::Metal,
+            "dx12" | "d3d12" => Backend::Dx12,
+            "gl" | "gles" | "opengl" | "webgl" | "webgl2" => Backend::Gl,
+            _ => return Err(GpuError::BadBackend(s.to_string())),
+        })
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("unknown GPU backend {0:?} (expected vulkan|metal|dx12|gl)")]
+    BadBackend(String),
+    #[error("no GPU adapter found; tried {tried}{hint}")]
+    NoAdapter { tried: String, hint: String },
+    #[error("requesting a device from {adapter} failed: {msg}")]
+    RequestDevice { adapter: String, msg: String },
+    #[error("kernel {name}: {msg}")]
+    Kernel { name: String, msg: String },
+    #[error("GPU readback failed: {0}")]
+    Readback(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// How to pick the device.
+#[derive(Clone, Debug, Default)]
+pub struct GpuOptions {
+    /// `None`: [`Backend::from_env`], else [`Backend::platform_default`].
+    pub backend: Option<Backend>,
+    /// Only adapters whose name contains this (case-insensitive); `None`: `MARKBASE_ADAPTER`.
+    pub adapter_name: Option<String>,
+    /// wgpu/driver validation layers (slow). `None`: off, unless wgpu's `WGPU_VALIDATION`/`WGPU_DEBUG` say so.
+    pub validation: Option<bool>,
+}
+
+/// What the chosen adapter is and what the device was created with (for benchmark reports).
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub name: String,
+    pub backend: Backend,
+    pub device_type: String,
+    pub vendor: u32,
+    pub device: u32,
+    pub driver: String,
+    pub driver_info: String,
+    pub subgroup_min_size: u32,
+    pub subgroup_max_size: u32,
+    pub shader_f16: bool,
+    pub subgroups: bool,
+    pub timestamps: bool,
+    pub timestamps_inside_passes: bool,
+    /// Limits the device was created with (the adapter's own).
+    pub limits: wgpu::Limits,
+}
+
+impl GpuInfo {
+    /// One line for logs.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} ({}, {}, driver {} {}) subgroups {} [{}..{}] f16 {} timestamps {} max binding {} MiB, workgroup mem {} KiB",
+            self.name,
+            self.backend,
+            self.device_type,
+            self.driver,
+            self.driver_info,
+            self.subgroups,
+            self.subgroup_min_size,
+            self.subgroup_max_size,
+            self.shader_f16,
+            self.timestamps,
+            self.limits.max_storage_buffer_binding_size >> 20,
+            self.limits.max_compute_workgroup_storage_size >> 10,
+        )
+    }
+}
+
+/// An opened GPU: instance, adapter, device, queue.
+pub struct Gpu {
+    pub instance: wgpu::Instance,
+    pub adapter: wgpu::Adapter,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: GpuInfo,
+}
+
+fn device_type_name(t: wgpu::DeviceType) -> &'static str {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => "discrete",
+        wgpu::DeviceType::IntegratedGpu => "integrated",
+        wgpu::DeviceType::VirtualGpu => "virtual",
+        wgpu::DeviceType::Cpu => "cpu",
+        wgpu::DeviceType::Other => "other",
+    }
+}
+
+fn device_rank(t: wgpu::DeviceType) -> u32 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    }
+}
+
+fn wgpu_backend_to_ours(b: wgpu::Backend) -> Option<Backend> {
+    match b {
+        wgpu::Backend::Vulkan => Some(Backend::Vulkan),
+        wgpu::Backend::Metal => Some(Backend::Metal),
+        wgpu::Backend::Dx12 => Some(Backend::Dx12),
+        wgpu::Backend::Gl => Some(Backend::Gl),
+        _ => None,
+    }
+}
+
+impl Gpu {
+    /// Opens the default device ([`GpuOptions::default`]).
+    pub fn new() -> Result<Gpu, GpuError> {
+        Gpu::with_options(&GpuOptions::default())
+    }
+
+    pub fn with_options(opts: &GpuOptions) -> Result<Gpu, GpuError> {
+        pollster::block_on(Self::open(opts))
+    }
+
+    async fn open(opts: &GpuOptions) -> Result<Gpu, GpuError> {
+        let backend = match opts.backend {
+            Some(b) => b,
+            None => Backend::from_env()?.unwrap_or_else(Backend::platform_default),
+        };
+        let name_filter = opts
+            .adapter_name
+            .clone()
+            .or_else(|| std::env::var("MARKBASE_ADAPTER").ok().filter(|s| !s.is_empty()))
+            .map(|s| s.to_lowercase());
+        let mut flags = wgpu::InstanceFlags::empty();
+        if let Some(v) = opts.validation {
+            flags.set(wgpu::InstanceFlags::VALIDATION, v);
+            flags.set(wgpu::InstanceFlags::DEBUG, v);
+        } else {
+            flags = flags.with_env();
+        }
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = backend.to_wgpu();
+        desc.flags = flags;
+        let instance = wgpu::Instance::new(desc);
+        let adapters = instance.enumerate_adapters(backend.to_wgpu()).await;
+        let mut seen: Vec<String> = Vec::new();
+        let mut best: Option<wgpu::Adapter> = None;
+        for a in adapters {
+            let info = a.get_info();
+            seen.push(format!("{} ({})", info.name, device_type_name(info.device_type)));
+            if let Some(f) = &name_filter {
+                if !info.name.to_lowercase().contains(f) {
+                    continue;
+                }
+            }
+            let better = match &best {
+                None => true,
+                Some(b) => device_rank(info.device_type) < device_rank(b.get_info().device_type),
+            };
+            if better {
+                best = Some(a);
+            }
+        }
+        let Some(adapter) = best else {
+            let mut hint = String::new();
+            if seen.is_empty() {
+                hint.push_str(": no adapters at all");
+                if backend == Backend::Vulkan {
+                    hint.push_str(
+                        " (is a Vulkan driver installed? for CPU-only CI: apt-get install mesa-vulkan-drivers libvulkan1, \
+                         and set VK_DRIVER_FILES=/usr/share/vulkan/icd.d/lvp_icd.x86_64.json)",
+                    );
+                }
+            } else {
+                hint = format!(": found {} but none matched the name filter {:?}", seen.join(", "), name_filter.unwrap_or_default());
+            }
+            return Err(GpuError::NoAdapter { tried: format!("backend {backend}"), hint });
+        };
+        let ainfo = adapter.get_info();
+        let have = adapter.features();
+        let want = wgpu::Features::SHADER_F16
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::SUBGROUP_BARRIER
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+        let features = have & want;
+        let limits = adapter.limits();
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("markbase"),
+                required_features: features,
+                required_limits: limits.clone(),
+                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                memory_hints: wgpu::MemoryHints::Performance,
+                trace: wgpu::Trace::Off,
+            })
+            .await
+            .map_err(|e| GpuError::RequestDevice { adapter: ainfo.name.clone(), msg: e.to_string() })?;
+        let info = GpuInfo {
+            name: ainfo.name.clone(),
+            backend: wgpu_backend_to_ours(ainfo.backend).unwrap_or(backend),
+            device_type: device_type_name(ainfo.device_type).to_string(),
+            vendor: ainfo.vendor,
+            device: ainfo.device,
+            driver: ainfo.driver.clone(),
+            driver_info: ainfo.driver_info.clone(),
+            subgroup_min_size: ainfo.subgroup_min_size,
+            subgroup_max_size: ainfo.subgroup_max_size,
+            shader_f16: features.contains(wgpu::Features::SHADER_F16),
+            subgroups: features.contains(wgpu::Features::SUBGROUP),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            timestamps_inside_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
+            limits,
+        };
+        Ok(Gpu { instance, adapter, device, queue, info })
+    }
+
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.info.limits
+    }
+
+    /// Largest byte size one storage binding may have (and one buffer may have).
+    pub fn max_binding_bytes(&self) -> u64 {
+        self.info.limits.max_storage_buffer_binding_size.min(self.info.limits.max_buffer_size)
+    }
+
+    /// A buffer holding `bytes` (zero-padded to a multiple of 4), usable as a read-only
+    /// or read-write storage buffer and as a copy source/destination.
+    pub fn upload(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+        self.upload_with(label, bytes, storage_usage())
+    }
+
+    /// Like [`Gpu::upload`] with explicit usages.
+    pub fn upload_with(&self, label: &str, bytes: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+        let padded;
+        let contents = if bytes.len() % 4 != 0 || bytes.is_empty() {
+            let mut v = bytes.to_vec();
+            v.resize((bytes.len().max(1) + 3) / 4 * 4, 0);
+            padded = v;
+            &padded[..]
+        } else {
+            bytes
+        };
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: Some(label), contents, usage })
+    }
+
+    pub fn upload_f32(&self, label: &str, v: &[f32]) -> wgpu::Buffer {
+        self.upload(label, bytemuck::cast_slice(v))
+    }
+
+    pub fn upload_u32(&self, label: &str, v: &[u32]) -> wgpu::Buffer {
+        self.upload(label, bytemuck::cast_slice(v))
+    }
+
+    /// A zeroed storage buffer of `bytes` (rounded up to 4, at least 4).
+    pub fn storage(&self, label: &str, bytes: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: (bytes.max(4) + 3) / 4 * 4,
+            usage: storage_usage(),
+            mapped_at_creation: false,
+        })
+    }
+
+    /// A uniform buffer holding `params` (a kernel's params struct); writable with `queue.write_buffer`.
+    pub fn uniform<T: bytemuck::Pod>(&self, label: &str, params: &T) -> wgpu::Buffer {
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents: bytemuck::bytes_of(params),
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        })
+    }
+
+    /// Copies `bytes` bytes from the start of `buf` back to the host (waits for the GPU).
+    pub fn readback(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, GpuError> {
+        let size = (bytes + 3) / 4 * 4;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: size.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
+        enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
+        self.queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Readback(e.to_string()))?;
+        rx.recv()
+            .map_err(|e| GpuError::Readback(e.to_string()))?
+            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        let view = staging.get_mapped_range(..).map_err(|e| GpuError::Readback(e.to_string()))?;
+        let out = view[..bytes as usize].to_vec();
+        drop(view);
+        staging.unmap();
+        Ok(out)
+    }
+
+    pub fn read_f32(&self, buf: &wgpu::Buffer, n: usize) -> Result<Vec<f32>, GpuError> {
+        let b = self.readback(buf, (n * 4) as u64)?;
+        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    pub fn read_u32(&self, buf: &wgpu::Buffer, n: usize) -> Result<Vec<u32>, GpuError> {
+        let b = self.readback(buf, (n * 4) as u64)?;
+        Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// Waits until all submitted work has finished.
+    pub fn wait(&self) -> Result<(), GpuError> {
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map(|_| ()).map_err(|e| GpuError::Other(e.to_string()))
+    }
+}
+
+/// Usages of every data buffer: storage plus both copy directions.
+pub fn storage_usage() -> wgpu::BufferUsages {
+    wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC
+}

@@ -1,1 +1,0 @@
-//! Loading MLX checkpoints (filled in by the loader work).

@@ -1,0 +1,208 @@
+//! Synthetic models for benchmarks: real Gemma shapes, random weights in MLX's
+//! quantized layout (affine 4-bit g64 by default, router 8-bit), held in memory.
+//! They read the same bytes per token as a real checkpoint of that shape.
+
+use rayon::prelude::*;
+use serde_json::json;
+
+use markbase_graph::builder::{BuildOptions, WeightResolver};
+use markbase_graph::config::ModelConfig;
+use markbase_graph::ir::WeightParam;
+use markbase_graph::quant::{FloatType, QuantMode, QuantSpec, WeightFormat};
+
+use crate::weights::{RawDType, RawTensor, WeightData, Weights};
+
+/// Names of the built-in synthetic shapes.
+pub const NAMES: &[&str] =
+    &["gemma3-270m", "gemma3-1b", "gemma3-12b", "gemma4-e2b", "gemma4-e4b", "gemma4-26b-a4b", "gemma4-31b", "tiny-gemma3", "tiny-gemma4"];
+
+/// The `config.json` of a synthetic shape (quantized affine 4-bit g64).
+pub fn config_json(name: &str) -> Option<serde_json::Value> {
+    let q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
+    let mut v = match name {
+        "gemma3-270m" => json!({"model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18,
+            "intermediate_size": 2048, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144}),
+        "gemma3-1b" => json!({"model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26,
+            "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144}),
+        "gemma3-12b" => json!({"model_type": "gemma3_text", "hidden_size": 3840, "num_hidden_layers": 48,
+            "intermediate_size": 15360, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+        "gemma4-e2b" => json!({"model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35,
+            "intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+            "global_head_dim": 512, "sliding_window": 512, "sliding_window_pattern": 5, "num_kv_shared_layers": 20,
+            "use_double_wide_mlp": true, "hidden_size_per_layer_input": 256, "vocab_size": 262144}),
+        "gemma4-e4b" => json!({"model_type": "gemma4_text", "hidden_size": 2560, "num_hidden_layers": 42,
+            "intermediate_size": 10240, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+            "global_head_dim": 512, "sliding_window": 512, "sliding_window_pattern": 6, "num_kv_shared_layers": 18,
+            "use_double_wide_mlp": false, "hidden_size_per_layer_input": 256, "vocab_size": 262144}),
+        "gemma4-26b-a4b" => json!({"model_type": "gemma4_text", "hidden_size": 2816, "num_hidden_layers": 30,
+            "intermediate_size": 2112, "num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2,
+            "attention_k_eq_v": true, "head_dim": 256, "global_head_dim": 512, "sliding_window": 1024,
+            "sliding_window_pattern": 6, "num_kv_shared_layers": 0, "use_double_wide_mlp": false,
+            "hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 128, "top_k_experts": 8,
+            "moe_intermediate_size": 704, "vocab_size": 262144}),
+        "gemma4-31b" => json!({"model_type": "gemma4_text", "hidden_size": 5376, "num_hidden_layers": 60,
+            "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4,
+            "attention_k_eq_v": true, "head_dim": 256, "global_head_dim": 512, "sliding_window": 1024,
+            "sliding_window_pattern": 6, "num_kv_shared_layers": 0, "use_double_wide_mlp": false,
+            "hidden_size_per_layer_input": 0, "vocab_size": 262144}),
+        // Small shapes for tests on a software rasterizer.
+        "tiny-gemma3" => json!({"model_type": "gemma3_text", "hidden_size": 128, "num_hidden_layers": 3,
+            "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "query_pre_attn_scalar": 64, "sliding_window": 16, "sliding_window_pattern": 3, "vocab_size": 1000}),
+        "tiny-gemma4" => json!({"model_type": "gemma4_text", "hidden_size": 128, "num_hidden_layers": 4,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "global_head_dim": 64, "sliding_window": 16, "sliding_window_pattern": 2, "num_kv_shared_layers": 1,
+            "use_double_wide_mlp": true, "hidden_size_per_layer_input": 64, "vocab_size": 1000,
+            "vocab_size_per_layer_input": 1000}),
+        _ => return None,
+    };
+    v["quantization"] = q;
+    v["bos_token_id"] = json!(2);
+    v["eos_token_id"] = json!([1, 106]);
+    Some(v)
+}
+
+/// Parsed config of a synthetic shape.
+pub fn config(name: &str) -> Result<ModelConfig, String> {
+    let v = config_json(name).ok_or_else(|| format!("unknown synthetic model {name:?}; known: {}", NAMES.join(", ")))?;
+    ModelConfig::from_value(&v).map_err(|e| e.to_string())
+}
+
+/// Resolution for synthetic weights: every module whose input dim fits is
+/// quantized with the global spec, routers at 8 bits (as mlx-lm does).
+pub struct SyntheticResolver {
+    pub spec: QuantSpec,
+}
+
+impl WeightResolver for SyntheticResolver {
+    fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat {
+        let inn = *shape.last().unwrap_or(&0);
+        if module && inn % self.spec.group_size == 0 {
+            let spec = if name.ends_with("router.proj") { QuantSpec::affine(8, 64) } else { self.spec };
+            if spec.fits(inn) {
+                return WeightFormat::Quantized { spec, global_scale: false };
+            }
+        }
+        WeightFormat::Float { dtype: FloatType::Bf16 }
+    }
+}
+
+/// A fast deterministic generator (splitmix64) per chunk of output.
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    out.par_chunks_mut(1 << 16).enumerate().for_each(|(ci, c)| {
+        let mut s = splitmix(seed ^ (ci as u64).wrapping_mul(0x1234_5678_9abc_def1));
+        for w in c.chunks_mut(8) {
+            s = splitmix(s);
+            let b = s.to_le_bytes();
+            w.copy_from_slice(&b[..w.len()]);
+        }
+    });
+    out
+}
+
+fn bf16_fill(n: usize, f: impl Fn(usize) -> f32 + Sync) -> Vec<u8> {
+    let mut out = vec![0u8; 2 * n];
+    out.par_chunks_mut(2).enumerate().for_each(|(i, c)| {
+        let b = (f(i).to_bits() >> 16) as u16;
+        c.copy_from_slice(&b.to_le_bytes());
+    });
+    out
+}
+
+fn hash01(i: usize, seed: u64) -> f32 {
+    (splitmix(i as u64 ^ seed) >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// Random weights for one parameter in its stored layout.
+pub fn random_weight(p: &WeightParam, seed: u64, one_plus_w_norms: bool) -> WeightData {
+    let numel: usize = p.shape.iter().product();
+    let inn = *p.shape.last().unwrap_or(&1);
+    match p.format {
+        WeightFormat::Quantized { spec, global_scale } => {
+            let rows = numel / inn;
+            let mut wshape = p.shape.clone();
+            *wshape.last_mut().unwrap() = spec.packed_cols(inn);
+            let mut sshape = p.shape.clone();
+            *sshape.last_mut().unwrap() = spec.groups(inn);
+            let groups = rows * spec.groups(inn);
+            let weight = RawTensor { dtype: RawDType::U32, shape: wshape, bytes: random_bytes(rows * spec.packed_cols(inn) * 4, seed) };
+            // Affine: w = s*q + b with q in [0, 2^bits): centre the values at 0
+            // with a spread that keeps activations O(1) through RMSNorm.
+            let qmax = ((1u32 << spec.bits) - 1) as f32;
+            let amp = 1.0 / (inn as f32).sqrt();
+            let (scales, biases) = match spec.mode {
+                QuantMode::Affine => {
+                    let s = bf16_fill(groups, |i| amp * (0.5 + hash01(i, seed ^ 1)) * 2.0 / qmax);
+                    let b = bf16_fill(groups, |i| -amp * (0.5 + hash01(i, seed ^ 1)));
+                    (
+                        Some(RawTensor { dtype: RawDType::Bf16, shape: sshape.clone(), bytes: s }),
+                        Some(RawTensor { dtype: RawDType::Bf16, shape: sshape, bytes: b }),
+                    )
+                }
+                _ => {
+                    // E8M0 (mx) or E4M3 (nv) scales: a small power of two.
+                    let e = (127.0 + (amp / 4.0).log2()).round() as u8;
+                    let v = if spec.mode == QuantMode::Nvfp4 { 0x20u8 } else { e };
+                    (Some(RawTensor { dtype: RawDType::U8, shape: sshape, bytes: vec![v; groups] }), None)
+                }
+            };
+            let gs = if global_scale {
+                let e = if p.shape.len() == 3 { p.shape[0] } else { 1 };
+                Some(RawTensor::from_f32(&[e], &vec![1.0; e]))
+            } else {
+                None
+            };
+            WeightData { param: p.clone(), weight, scales, biases, global_scale: gs }
+        }
+        WeightFormat::Float { .. } => {
+            let is_norm = p.name.contains("norm") || p.name.ends_with("router.scale");
+            let bytes = if p.name.ends_with("layer_scalar") {
+                bf16_fill(numel, |_| 1.0)
+            } else if p.name.ends_with("per_expert_scale") {
+                bf16_fill(numel, |_| 1.0)
+            } else if is_norm {
+                let base = if one_plus_w_norms { 0.0 } else { 1.0 };
+                bf16_fill(numel, |i| base + 0.1 * (hash01(i, seed) - 0.5))
+            } else {
+                let amp = 1.0 / (inn as f32).sqrt();
+                bf16_fill(numel, |i| amp * 2.0 * (hash01(i, seed) - 0.5))
+            };
+            WeightData {
+                param: WeightParam { format: WeightFormat::Float { dtype: FloatType::Bf16 }, ..p.clone() },
+                weight: RawTensor { dtype: RawDType::Bf16, shape: p.shape.clone(), bytes },
+                scales: None,
+                biases: None,
+                global_scale: None,
+            }
+        }
+    }
+}
+
+/// Config and random weights for a synthetic shape, resolved with `spec`.
+pub fn model(name: &str, spec: QuantSpec) -> Result<(ModelConfig, Weights), String> {
+    let cfg = config(name)?;
+    let res = SyntheticResolver { spec };
+    let g = markbase_graph::build(&cfg, &res, &BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
+    let gemma3 = cfg.family == markbase_graph::Family::Gemma3;
+    let params: Vec<WeightParam> = g.weights().map(|(_, p)| p.clone()).collect();
+    let mut weights = Weights::default();
+    for (i, p) in params.iter().enumerate() {
+        if weights.get(&p.name).is_none() {
+            weights.insert(random_weight(p, 0x5eed_0000 + i as u64, gemma3));
+        }
+    }
+    Ok((cfg, weights))
+}

@@ -1,0 +1,76 @@
+//! Shared helpers of the model test suites: fixture references and the
+//! comparison rule against mlx-lm's float32 logits.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use markbase::model::{DeviceKind, Model, ModelOptions};
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// Reads the f32/i32 tensors of a `reference.safetensors`.
+pub struct Reference {
+    pub tokens: Vec<u32>,
+    pub prefill: Vec<f32>,
+    pub decode: Vec<f32>,
+    pub vocab: usize,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).expect("reference.safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse reference");
+    let f32s = |n: &str| -> (Vec<f32>, Vec<usize>) {
+        let t = st.tensor(n).unwrap_or_else(|_| panic!("{n} missing"));
+        (t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(), t.shape().to_vec())
+    };
+    let tok = st.tensor("tokens").unwrap();
+    let tokens = tok.data().chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u32).collect();
+    let (prefill, shape) = f32s("logits_prefill");
+    let (decode, _) = f32s("logits_decode");
+    Reference { tokens, prefill, decode, vocab: shape[1] }
+}
+
+/// Compares logits rows with the acceptance rule: max |Δ| ≤ 5e-4 × max|ref| and the
+/// same argmax wherever the reference's top-2 gap exceeds 1e-3 × max|ref|.
+/// Returns (max |Δ|, max |ref|).
+pub fn compare(what: &str, got: &[f32], want: &[f32], vocab: usize) -> (f32, f32) {
+    assert_eq!(got.len(), want.len(), "{what}: logits size");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let mut maxd = 0f32;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: non-finite logit at {i}");
+        maxd = maxd.max((g - w).abs());
+    }
+    assert!(maxd <= 5e-4 * scale, "{what}: max |Δ| {maxd} > 5e-4 × {scale}");
+    for (r, (gr, wr)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let mut idx: Vec<usize> = (0..vocab).collect();
+        idx.sort_by(|&a, &b| wr[b].total_cmp(&wr[a]));
+        let gap = wr[idx[0]] - wr[idx[1]];
+        if gap > 1e-3 * scale {
+            let ga = markbase::cpu::ops::argmax(gr) as usize;
+            assert_eq!(ga, idx[0], "{what}: row {r} argmax {ga} != mlx-lm {}", idx[0]);
+        }
+    }
+    (maxd, scale)
+}
+
+/// Prefill of all 24 tokens, then prefill of 20 + 4 decode steps, against mlx-lm.
+pub fn check_fixture(name: &str, device: DeviceKind) -> (f32, f32) {
+    let r = reference(name);
+    let opts = ModelOptions { device, max_context: 64, prefill_chunk: 32, ..Default::default() };
+    let mut m = Model::load(fixture(name), opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let rows = m.logits(&r.tokens).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let got: Vec<f32> = rows.concat();
+    let (d1, s) = compare(&format!("{name} prefill"), &got, &r.prefill, r.vocab);
+    m.reset();
+    m.forward(&r.tokens[..20], false, None).unwrap();
+    let mut dec = vec![];
+    for j in 0..4 {
+        let out = m.forward(&r.tokens[20 + j..21 + j], true, None).unwrap();
+        dec.extend(out.logits.unwrap());
+    }
+    let (d2, _) = compare(&format!("{name} decode"), &dec, &r.decode, r.vocab);
+    (d1.max(d2), s)
+}
