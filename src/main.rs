@@ -3,9 +3,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use markbase::cli;
+use markbase::model::SampleParams;
 
 #[derive(Parser)]
 #[command(name = "markbase", version, about = "Gemma inference on MLX checkpoints through wgpu")]
@@ -29,6 +30,54 @@ enum Phases {
     PerLayer,
 }
 
+#[derive(Args, Clone)]
+struct RunArgs {
+    /// Model directory (MLX checkpoint).
+    #[arg(short = 'm', long = "model")]
+    model: PathBuf,
+    /// vulkan | metal | dx12 | gl | cpu (default: MARKBASE_BACKEND, else the platform's best GPU).
+    #[arg(long)]
+    backend: Option<String>,
+    /// KV-cache length.
+    #[arg(long, default_value_t = 4096)]
+    max_context: usize,
+}
+
+#[derive(Args, Clone)]
+struct SampleArgs {
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Temperature; 0 = greedy.
+    #[arg(long = "temp", default_value_t = 0.0)]
+    temp: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u32,
+}
+
+impl SampleArgs {
+    fn options(&self) -> cli::GenOptions {
+        cli::GenOptions {
+            max_tokens: self.max_tokens,
+            sampling: SampleParams {
+                temperature: self.temp,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                repetition_penalty: self.repetition_penalty,
+                seed: self.seed,
+            },
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Print the compiled op graph of a model directory (config.json, weights optional).
@@ -45,12 +94,52 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "two")]
         phases: Phases,
     },
+    /// Describe a checkpoint: family, layers, parameters, quantization, memory, problems.
+    Inspect {
+        model_dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate text from a prompt (streamed).
+    Generate {
+        #[command(flatten)]
+        run: RunArgs,
+        #[arg(short = 'p', long)]
+        prompt: String,
+        /// Wrap the prompt in the checkpoint's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[command(flatten)]
+        sample: SampleArgs,
+    },
+    /// Interactive chat.
+    Chat {
+        #[command(flatten)]
+        run: RunArgs,
+        #[command(flatten)]
+        sample: SampleArgs,
+    },
+    /// Write the f32 logits of every position of a token sequence as .npy.
+    Logits {
+        #[command(flatten)]
+        run: RunArgs,
+        /// Comma-separated token ids.
+        #[arg(long)]
+        tokens: String,
+        #[arg(long, default_value = "logits.npy")]
+        out: PathBuf,
+    },
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error.
 fn out(s: &str) {
     use std::io::Write;
     let _ = std::io::stdout().lock().write_all(s.as_bytes());
+}
+
+fn load(run: &RunArgs) -> Result<markbase::model::Model, String> {
+    let dev = cli::parse_device(run.backend.as_deref())?;
+    cli::load_model(&run.model, dev, run.max_context)
 }
 
 fn main() -> ExitCode {
@@ -68,11 +157,30 @@ fn main() -> ExitCode {
             };
             cli::graph(&model_dir, fmt, tokens, max_context, policy).map(|s| out(&s))
         }
+        Cmd::Inspect { model_dir, json } => {
+            let (s, ok) = cli::inspect(&model_dir, json);
+            out(&s);
+            if ok {
+                Ok(())
+            } else {
+                Err("the checkpoint has problems (listed above)".into())
+            }
+        }
+        Cmd::Generate { run, prompt, chat, sample } => {
+            load(&run).and_then(|mut m| cli::generate(&mut m, &prompt, chat, &sample.options()))
+        }
+        Cmd::Chat { run, sample } => load(&run).and_then(|mut m| cli::chat(&mut m, &sample.options())),
+        Cmd::Logits { run, tokens, out: path } => cli::parse_tokens(&tokens)
+            .and_then(|t| load(&run).and_then(|mut m| cli::logits(&mut m, &t, &path)))
+            .map(|s| eprintln!("{s}")),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", e.lines().next().unwrap_or("").trim());
+            for l in e.lines().skip(1) {
+                eprintln!("  {}", l.trim());
+            }
             ExitCode::FAILURE
         }
     }
