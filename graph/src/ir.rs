@@ -42,7 +42,7 @@ impl WeightParam {
 }
 
 /// Graph inputs written by the host each step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InputKind {
     /// Token ids `u32[T]`.

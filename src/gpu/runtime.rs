@@ -1,29 +1,529 @@
 //! The GPU runtime: executes compiled graphs phase by phase on a wgpu device.
+//!
+//! Preparing a graph creates, once, every pool buffer the liveness pass
+//! assigned, the graph's input buffers, one uniform params buffer per dispatch
+//! and every bind group. A step then writes the host inputs (token ids,
+//! positions, sampling parameters: a few bytes), encodes each phase as one
+//! compute pass in one command buffer, submits it, and reads back only the
+//! token (and the logits when asked).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use markbase_graph::passes::Compiled;
+use petgraph::graph::NodeIndex;
+
+use markbase_graph::ir::{InputKind, NodeKind, StateKind};
+use markbase_graph::ops::{DType, Op};
+use markbase_graph::passes::{Compiled, Storage};
+use markbase_graph::quant::FloatType;
 
 use crate::cpu::exec::StepInputs;
-use crate::gpu::device::Backend;
+use crate::gpu::device::{Backend, Gpu, GpuOptions};
+use crate::gpu::kernels::{
+    attention_splits, ArgmaxParams, CopyParams, ElementwiseParams, Kernel, Kernels, MatMulDims,
+};
+use crate::gpu::weights::{upload_vector, upload_weight, GpuWeight};
 use crate::model::{Executor, GraphKey, StepOutput};
 use crate::weights::Weights;
 
+/// One recorded dispatch.
+struct Dispatch {
+    kernel: Arc<Kernel>,
+    bind: wgpu::BindGroup,
+    groups: [u32; 3],
+    /// The node it computes.
+    node: NodeIndex,
+}
+
+/// A graph made ready to run.
+struct Prepared {
+    pool: Vec<wgpu::Buffer>,
+    inputs: HashMap<InputKind, wgpu::Buffer>,
+    /// Dispatches of each phase.
+    phases: Vec<Vec<Dispatch>>,
+    /// Scratch buffers owned by single nodes (attention partials), kept alive.
+    _scratch: Vec<wgpu::Buffer>,
+    _params: Vec<wgpu::Buffer>,
+    token: NodeIndex,
+    logits: NodeIndex,
+    token_staging: wgpu::Buffer,
+    logits_staging: wgpu::Buffer,
+    logits_bytes: u64,
+}
+
+/// Counters of the last step (for tests and benchmarks).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepStats {
+    pub submits: usize,
+    pub dispatches: usize,
+    pub phases: usize,
+    /// CPU time spent encoding and submitting, in seconds.
+    pub encode_s: f64,
+}
+
 /// Runs compiled graphs on a GPU.
-pub struct GpuExecutor {}
+pub struct GpuExecutor {
+    pub gpu: Gpu,
+    pub kernels: Kernels,
+    mats: HashMap<String, GpuWeight>,
+    vecs: HashMap<String, (wgpu::Buffer, FloatType)>,
+    states: HashMap<StateKind, wgpu::Buffer>,
+    prepared: HashMap<GraphKey, Prepared>,
+    check_nan: bool,
+    /// Counters of the last step.
+    pub last: StepStats,
+    /// Submissions since creation.
+    pub total_submits: usize,
+}
+
+fn err<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
 
 impl GpuExecutor {
-    pub fn new(_backend: Option<Backend>, _weights: Arc<Weights>, _check_nan: bool) -> Result<Self, String> {
-        Err("GPU runtime not available yet".into())
+    /// Opens the device and uploads every weight as stored.
+    pub fn new(backend: Option<Backend>, weights: Arc<Weights>, check_nan: bool) -> Result<Self, String> {
+        let gpu = Gpu::with_options(&GpuOptions { backend, ..Default::default() }).map_err(err)?;
+        Self::with_gpu(gpu, &weights, check_nan, None)
+    }
+
+    /// As [`GpuExecutor::new`] on an opened device; `max_chunk_bytes` forces
+    /// small weight chunks (tests of the chunked path).
+    pub fn with_gpu(gpu: Gpu, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
+        let kernels = Kernels::for_gpu(&gpu).map_err(err)?;
+        let mut mats = HashMap::new();
+        let mut vecs = HashMap::new();
+        for (name, w) in &weights.map {
+            if w.param.module {
+                mats.insert(name.clone(), upload_weight(&gpu, w, max_chunk_bytes).map_err(err)?);
+            } else {
+                vecs.insert(name.clone(), upload_vector(&gpu, &w.weight, name).map_err(err)?);
+            }
+        }
+        Ok(GpuExecutor {
+            gpu,
+            kernels,
+            mats,
+            vecs,
+            states: HashMap::new(),
+            prepared: HashMap::new(),
+            check_nan,
+            last: StepStats::default(),
+            total_submits: 0,
+        })
+    }
+
+    pub fn adapter_summary(&self) -> String {
+        self.gpu.info.summary()
+    }
+
+    fn state_buffer(&mut self, kind: &StateKind, bytes: u64) -> wgpu::Buffer {
+        let gpu = &self.gpu;
+        self.states
+            .entry(kind.clone())
+            .or_insert_with(|| gpu.storage(&format!("{kind:?}"), bytes))
+            .clone()
+    }
+
+    fn prepare(&mut self, c: &Compiled) -> Result<Prepared, String> {
+        let g = &c.graph;
+        let dev = self.gpu.device.clone();
+        let pool: Vec<wgpu::Buffer> =
+            c.alloc.pool_sizes.iter().enumerate().map(|(i, &s)| self.gpu.storage(&format!("pool{i}"), s as u64)).collect();
+        let mut inputs = HashMap::new();
+        let mut input_bufs: HashMap<u32, wgpu::Buffer> = HashMap::new();
+        let mut state_bufs: HashMap<u32, wgpu::Buffer> = HashMap::new();
+        for n in g.g.node_indices() {
+            let node = g.node(n);
+            match &node.kind {
+                NodeKind::Input { input } => {
+                    let b = self.gpu.storage(&node.name, node.ty.bytes() as u64);
+                    inputs.insert(*input, b.clone());
+                    input_bufs.insert(node.id, b);
+                }
+                NodeKind::State { state } => {
+                    let b = self.state_buffer(state, node.ty.bytes() as u64);
+                    state_bufs.insert(node.id, b);
+                }
+                _ => {}
+            }
+        }
+        // The buffer holding a node's value.
+        let buf = |n: NodeIndex| -> Result<wgpu::Buffer, String> {
+            match c.alloc.storage[n.index()] {
+                Storage::Pool(b) => Ok(pool[b as usize].clone()),
+                Storage::Input(id) => input_bufs.get(&id).cloned().ok_or_else(|| format!("input {id} has no buffer")),
+                Storage::State(id) => state_bufs.get(&id).cloned().ok_or_else(|| format!("state {id} has no buffer")),
+                Storage::Weight(_) => Err(format!("node {} is a weight, not a value", g.node(n).name)),
+            }
+        };
+        let mut params: Vec<wgpu::Buffer> = vec![];
+        let mut scratch: Vec<wgpu::Buffer> = vec![];
+        let mut phases: Vec<Vec<Dispatch>> = vec![];
+        for ph in &c.schedule.phases {
+            let mut ds: Vec<Dispatch> = vec![];
+            for &n in ph {
+                let node = g.node(n);
+                let op = node.op().unwrap();
+                let ins = g.inputs(n);
+                let out = || buf(n);
+                let kerr = |e: crate::gpu::device::GpuError| format!("node %{} {}: {e}", node.id, node.name);
+                let wname = |i: usize| g.node(ins[i]).weight().map(|p| p.name.clone());
+                let mat = |i: usize| -> Result<&GpuWeight, String> {
+                    let name = wname(i).ok_or_else(|| format!("node {}: input {i} is not a weight", node.name))?;
+                    self.mats.get(&name).ok_or_else(|| format!("weight {name} not uploaded"))
+                };
+                let vecw = |i: usize| -> Option<&(wgpu::Buffer, FloatType)> { wname(i).and_then(|nm| self.vecs.get(&nm)) };
+                let mut uni = |bytes: &[u8]| -> wgpu::Buffer {
+                    let b = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some(&node.name),
+                        size: (bytes.len() as u64 + 15) / 16 * 16,
+                        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                        mapped_at_creation: false,
+                    });
+                    self.gpu.queue.write_buffer(&b, 0, bytes);
+                    params.push(b.clone());
+                    b
+                };
+                let mut push = |kernel: Arc<Kernel>, bind: wgpu::BindGroup, groups: [u32; 3]| {
+                    ds.push(Dispatch { kernel, bind, groups, node: n });
+                };
+                let shape_of = |i: usize| g.node(ins[i]).ty.shape.clone();
+                match op {
+                    Op::Reshape { .. } => {}
+                    Op::Embed { scale, clamp } => {
+                        let w = mat(1)?;
+                        let k = self.kernels.embed(w.format).map_err(kerr)?;
+                        let t = node.ty.shape[0];
+                        for ci in 0..w.chunks.len() {
+                            let p = uni(bytemuck::bytes_of(&k.params(w, ci, t, *scale, *clamp)));
+                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, w, ci);
+                            push(k.kernel.clone(), bg, k.groups(t, w.k));
+                        }
+                    }
+                    Op::MatMul => {
+                        let w = mat(1)?;
+                        let rows = g.node(ins[0]).ty.rows();
+                        let k = self.kernels.matmul(w.format, w.k, rows, false).map_err(kerr)?;
+                        for ci in 0..w.chunks.len() {
+                            let d = MatMulDims::plain(w, ci, rows);
+                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
+                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, None, w, ci);
+                            push(k.kernel.clone(), bg, k.groups(&d));
+                        }
+                    }
+                    Op::GatherMatMul => {
+                        let w = mat(2)?;
+                        let ids_shape = shape_of(1);
+                        let (t, s) = (ids_shape[0], ids_shape[1]);
+                        let bcast = g.node(ins[0]).ty.shape.len() == 2;
+                        let k = self.kernels.matmul(w.format, w.k, t * s, true).map_err(kerr)?;
+                        for ci in 0..w.chunks.len() {
+                            let d = MatMulDims::gathered(w, ci, t, s, bcast);
+                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
+                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&buf(ins[1])?), w, ci);
+                            push(k.kernel.clone(), bg, k.groups(&d));
+                        }
+                    }
+                    Op::RmsNorm { eps, scale } => {
+                        let rows = node.ty.rows();
+                        let d = node.ty.last();
+                        let wv = if ins.len() > 1 { Some(vecw(1).ok_or_else(|| format!("node {}: norm weight missing", node.name))?) } else { None };
+                        let k = self.kernels.rms_norm(wv.map(|v| v.1)).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0));
+                        push(k.kernel.clone(), bg, k.groups(rows));
+                    }
+                    Op::Rope { theta, factor, rotary_pairs } => {
+                        let s = &node.ty.shape;
+                        let k = self.kernels.rope().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
+                        push(k.kernel.clone(), bg, k.groups(s[0], s[1], s[2]));
+                    }
+                    Op::KvWrite => {
+                        let xs = shape_of(0);
+                        let slots = node.ty.shape[0];
+                        let row = xs[1] * xs[2];
+                        let k = self.kernels.kv_write().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(xs[0], row, slots)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
+                        push(k.kernel.clone(), bg, k.groups(xs[0], row));
+                    }
+                    Op::Attention { scale, window } => {
+                        let s = &node.ty.shape;
+                        let (t, nq, d) = (s[0], s[1], s[2]);
+                        let ks = shape_of(2);
+                        let (slots, nkv) = (ks[0], ks[1]);
+                        let k = self.kernels.attention(d, attention_splits(slots, nq, t)).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(t, nq, nkv, d, slots, *scale, *window)));
+                        let part = if k.combine.is_some() {
+                            let b = self.gpu.storage(&format!("{}.partials", node.name), k.partials_bytes(t, nq, d));
+                            scratch.push(b.clone());
+                            Some(b)
+                        } else {
+                            None
+                        };
+                        let (a, b) = k.bind_groups(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, part.as_ref());
+                        push(k.kernel.clone(), a, [nq as u32, t as u32, k.nsplit]);
+                        if let (Some(ck), Some(b)) = (&k.combine, b) {
+                            push(ck.clone(), b, [nq as u32, t as u32, 1]);
+                        }
+                    }
+                    Op::Binary { f } => {
+                        let n_el = node.ty.numel();
+                        let nb = g.node(ins[1]).ty.numel();
+                        let (bbuf, bdt) = match vecw(1) {
+                            Some((b, dt)) => (b.clone(), *dt),
+                            None => (buf(ins[1])?, FloatType::F32),
+                        };
+                        let k = self.kernels.binary(bdt).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&ElementwiseParams::binary(*f, n_el, nb)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&bbuf));
+                        push(k.kernel.clone(), bg, k.groups(n_el));
+                    }
+                    Op::Unary { f } => {
+                        let n_el = node.ty.numel();
+                        let k = self.kernels.unary().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&ElementwiseParams::unary(*f, n_el)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, None);
+                        push(k.kernel.clone(), bg, k.groups(n_el));
+                    }
+                    Op::GeGlu => {
+                        let n_el = node.ty.numel();
+                        let k = self.kernels.geglu().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&ElementwiseParams::geglu(n_el)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&buf(ins[1])?));
+                        push(k.kernel.clone(), bg, k.groups(n_el));
+                    }
+                    Op::TopK { k: kk } => {
+                        let ls = shape_of(0);
+                        let k = self.kernels.top_k().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], *kk)));
+                        let bg = k.bind_group(&dev, &[(0, &p), (1, &buf(ins[0])?), (2, &out()?)]);
+                        push(k.kernel.clone(), bg, k.groups(ls[0] * ls[1]));
+                    }
+                    Op::TopKSoftmax => {
+                        let ls = shape_of(0);
+                        let kk = node.ty.shape[1];
+                        let sc = if ins.len() > 2 { Some(vecw(2).ok_or("per-expert scale missing")?) } else { None };
+                        let k = self.kernels.top_k_softmax(sc.map(|s| s.1)).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], kk)));
+                        let (lb, ib, ob) = (buf(ins[0])?, buf(ins[1])?, out()?);
+                        let mut b: Vec<(u32, &wgpu::Buffer)> = vec![(0, &p), (1, &lb), (2, &ib), (3, &ob)];
+                        if let Some(s) = sc {
+                            b.push((4, &s.0));
+                        }
+                        let bg = k.bind_group(&dev, &b);
+                        push(k.kernel.clone(), bg, k.groups(ls[0]));
+                    }
+                    Op::WeightedSum => {
+                        let xs = shape_of(0);
+                        let k = self.kernels.weighted_sum().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(xs[0], xs[1], xs[2])));
+                        let bg = k.bind_group(&dev, &[(0, &p), (1, &buf(ins[0])?), (2, &buf(ins[1])?), (3, &out()?)]);
+                        push(k.kernel.clone(), bg, k.groups(xs[0] * xs[2]));
+                    }
+                    Op::Slice { axis, start, len } => {
+                        let k = self.kernels.copy().map_err(kerr)?;
+                        let cp = CopyParams::slice(&shape_of(0), *axis, *start, *len);
+                        let p = uni(bytemuck::bytes_of(&cp));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?);
+                        push(k.kernel.clone(), bg, k.groups(&cp));
+                    }
+                    Op::Concat { axis } => {
+                        let k = self.kernels.copy().map_err(kerr)?;
+                        let mut off = 0;
+                        for &i in &ins {
+                            let len = g.node(i).ty.shape[*axis];
+                            let cp = CopyParams::concat_part(&node.ty.shape, *axis, off, len);
+                            let p = uni(bytemuck::bytes_of(&cp));
+                            let bg = k.bind_group(&dev, &p, &buf(i)?, &out()?);
+                            push(k.kernel.clone(), bg, k.groups(&cp));
+                            off += len;
+                        }
+                    }
+                    Op::Argmax => {
+                        let ls = shape_of(0);
+                        let k = self.kernels.argmax().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?);
+                        push(k.kernel.clone(), bg, [1, 1, 1]);
+                    }
+                    Op::Sample => {
+                        let ls = shape_of(0);
+                        let k = crate::gpu::sample::kernel(&self.gpu, &self.kernels).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
+                        let bg = k.bind_buffers(&dev, &[(0, &p), (1, &buf(ins[0])?), (2, &buf(ins[1])?), (3, &buf(ins[2])?), (4, &out()?)]);
+                        push(k, bg, [1, 1, 1]);
+                    }
+                }
+            }
+            phases.push(ds);
+        }
+        let token = g.output("token").ok_or("graph has no token output")?;
+        let logits = g.output("logits").ok_or("graph has no logits output")?;
+        if g.node(token).ty.dtype != DType::U32 {
+            return Err("token output is not u32".into());
+        }
+        let logits_bytes = g.node(logits).ty.bytes() as u64;
+        let staging = |label: &str, size: u64| {
+            self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: size.max(4),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let token_staging = staging("token staging", 4);
+        let logits_staging = staging("logits staging", logits_bytes);
+        Ok(Prepared {
+            pool,
+            inputs,
+            phases,
+            _scratch: scratch,
+            _params: params,
+            token,
+            logits,
+            token_staging,
+            logits_staging,
+            logits_bytes,
+        })
+    }
+
+    /// Maps a staging buffer after the queue drained and copies its bytes out.
+    fn read_staging(&self, b: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        b.map_async(wgpu::MapMode::Read, ..bytes.max(4), move |r| {
+            let _ = tx.send(r);
+        });
+        self.gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(err)?;
+        rx.recv().map_err(err)?.map_err(err)?;
+        let v = b.get_mapped_range(..bytes.max(4)).map_err(err)?[..bytes as usize].to_vec();
+        b.unmap();
+        Ok(v)
+    }
+
+    fn value_buffer(p: &Prepared, c: &Compiled, n: NodeIndex) -> wgpu::Buffer {
+        match c.alloc.storage[n.index()] {
+            Storage::Pool(b) => p.pool[b as usize].clone(),
+            _ => unreachable!("outputs live in the pool"),
+        }
+    }
+
+    /// Debug path: one submission per node, each output read back and checked.
+    fn run_checked(&self, p: &Prepared, c: &Compiled) -> Result<(), String> {
+        let g = &c.graph;
+        for ph in &p.phases {
+            let mut i = 0;
+            while i < ph.len() {
+                let node = ph[i].node;
+                let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+                {
+                    let mut pass = enc.begin_compute_pass(&Default::default());
+                    while i < ph.len() && ph[i].node == node {
+                        let d = &ph[i];
+                        d.kernel.dispatch(&mut pass, &d.bind, d.groups);
+                        i += 1;
+                    }
+                }
+                self.gpu.queue.submit([enc.finish()]);
+                let nd = g.node(node);
+                if nd.ty.dtype != DType::F32 || nd.op().is_some_and(|o| o.writes_state()) {
+                    continue;
+                }
+                let b = Self::value_buffer(p, c, g.storage_root(node));
+                let v = self.gpu.read_f32(&b, nd.ty.numel()).map_err(err)?;
+                if let Some(j) = v.iter().position(|x| !x.is_finite()) {
+                    let weights: Vec<String> =
+                        g.inputs(node).iter().filter_map(|&w| g.node(w).weight().map(|p| p.name.clone())).collect();
+                    return Err(format!(
+                        "NaN/Inf at node %{} {} ({}), element {j} = {}; weights: [{}]",
+                        nd.id,
+                        nd.name,
+                        nd.op().map(|o| o.name()).unwrap_or("?"),
+                        v[j],
+                        weights.join(", ")
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
 impl Executor for GpuExecutor {
-    fn run(&mut self, _key: GraphKey, _c: &Compiled, _step: &StepInputs, _want_logits: bool) -> Result<StepOutput, String> {
-        Err("GPU runtime not available yet".into())
+    fn run(&mut self, key: GraphKey, c: &Compiled, step: &StepInputs, want_logits: bool) -> Result<StepOutput, String> {
+        if !self.prepared.contains_key(&key) {
+            let p = self.prepare(c)?;
+            self.prepared.insert(key, p);
+        }
+        let t0 = std::time::Instant::now();
+        let p = &self.prepared[&key];
+        let q = &self.gpu.queue;
+        for (kind, b) in &p.inputs {
+            match kind {
+                InputKind::Tokens => q.write_buffer(b, 0, bytemuck::cast_slice(step.tokens)),
+                InputKind::Positions => q.write_buffer(b, 0, bytemuck::cast_slice(step.positions)),
+                InputKind::SamplingParams => q.write_buffer(b, 0, bytemuck::cast_slice(&step.sampling)),
+                InputKind::RecentTokens => {
+                    let n = (b.size() / 4) as usize;
+                    let mut r = step.recent[step.recent.len().saturating_sub(n)..].to_vec();
+                    r.resize(n, 0);
+                    q.write_buffer(b, 0, bytemuck::cast_slice(&r));
+                }
+            }
+        }
+        let token_buf = Self::value_buffer(p, c, p.token);
+        let logits_buf = Self::value_buffer(p, c, p.logits);
+        let mut stats = StepStats { phases: p.phases.len(), ..Default::default() };
+        if self.check_nan {
+            self.run_checked(p, c)?;
+            stats.submits = p.phases.iter().map(|ph| ph.len()).sum();
+            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(&token_buf, 0, &p.token_staging, 0, 4);
+            if want_logits {
+                enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
+            }
+            q.submit([enc.finish()]);
+        } else {
+            let last = p.phases.len() - 1;
+            for (pi, ph) in p.phases.iter().enumerate() {
+                let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("phase") });
+                {
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("phase"), timestamp_writes: None });
+                    for d in ph {
+                        d.kernel.dispatch(&mut pass, &d.bind, d.groups);
+                    }
+                }
+                stats.dispatches += ph.len();
+                if pi == last {
+                    enc.copy_buffer_to_buffer(&token_buf, 0, &p.token_staging, 0, 4);
+                    if want_logits {
+                        enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
+                    }
+                }
+                q.submit([enc.finish()]);
+                stats.submits += 1;
+            }
+        }
+        stats.encode_s = t0.elapsed().as_secs_f64();
+        let tok = self.read_staging(&p.token_staging, 4)?;
+        let token = u32::from_le_bytes([tok[0], tok[1], tok[2], tok[3]]);
+        let logits = if want_logits {
+            let b = self.read_staging(&p.logits_staging, p.logits_bytes)?;
+            Some(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        } else {
+            None
+        };
+        self.total_submits += stats.submits;
+        self.last = stats;
+        Ok(StepOutput { logits, token })
     }
+
     fn reset(&mut self) {}
+
     fn describe(&self) -> String {
-        "gpu".into()
+        format!("gpu: {}", self.gpu.info.summary())
     }
 }
