@@ -138,7 +138,7 @@ fn layout(w: &WeightData) -> Result<Layout<'_>, String> {
     let shape = &w.param.shape;
     let cols = *shape.last().ok_or_else(|| format!("{name}: empty shape"))?;
     let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| format!("{name}: shape overflows"))?;
-    let rows = if cols == 0 { 0 } else { numel / cols };
+    let rows = numel.checked_div(cols).unwrap_or(0);
     let lead = &shape[..shape.len() - 1];
     match w.param.format {
         WeightFormat::Float { .. } => {
@@ -236,85 +236,107 @@ impl Tables {
     }
 }
 
-/// LSB-first bit reader over the little-endian u32 words of one row.
-struct BitReader<'a> {
-    bytes: &'a [u8],
-    next_word: usize,
-    acc: u64,
-    n: u32,
+/// Decodes the codes of one packed row (`bytes`: `cols*B/8` bytes) into `codes`
+/// (`cols` entries). Every 32 elements occupy exactly `B` words, so the row is
+/// processed in blocks of `B` words with a 64-bit accumulator; with `B` a
+/// constant the block loop unrolls completely.
+#[inline(always)]
+fn decode_codes<const B: u32>(bytes: &[u8], codes: &mut [u8]) {
+    let mask = (1u64 << B) - 1;
+    for (blk, out) in bytes.chunks_exact(4 * B as usize).zip(codes.chunks_exact_mut(32)) {
+        let mut acc = 0u64;
+        let mut n = 0u32;
+        let mut wi = 0usize;
+        for o in out.iter_mut() {
+            if n < B {
+                acc |= (word(blk, wi) as u64) << n;
+                wi += 1;
+                n += 32;
+            }
+            *o = (acc & mask) as u8;
+            acc >>= B;
+            n -= B;
+        }
+    }
 }
 
-impl<'a> BitReader<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
-        BitReader { bytes, next_word: 0, acc: 0, n: 0 }
-    }
-    /// Next `bits`-wide code (bits ≤ 32).
-    #[inline(always)]
-    fn take(&mut self, bits: u32, mask: u64) -> u32 {
-        if self.n < bits {
-            self.acc |= (word(self.bytes, self.next_word) as u64) << self.n;
-            self.next_word += 1;
-            self.n += 32;
+/// Codes of one row at `bits` per element (bits ∈ {1,2,3,4,5,6,8}).
+fn decode_row_codes(bits: usize, bytes: &[u8], codes: &mut [u8]) {
+    match bits {
+        4 => {
+            // The common case: two nibbles per byte, low nibble first.
+            for (b, c) in bytes.iter().zip(codes.chunks_exact_mut(2)) {
+                c[0] = b & 15;
+                c[1] = b >> 4;
+            }
         }
-        let q = (self.acc & mask) as u32;
-        self.acc >>= bits;
-        self.n -= bits;
-        q
+        8 => codes.copy_from_slice(bytes),
+        1 => decode_codes::<1>(bytes, codes),
+        2 => decode_codes::<2>(bytes, codes),
+        3 => decode_codes::<3>(bytes, codes),
+        5 => decode_codes::<5>(bytes, codes),
+        6 => decode_codes::<6>(bytes, codes),
+        _ => unreachable!("validated bits"),
     }
 }
 
 impl Layout<'_> {
-    /// Decodes row `r` into `out` (`cols` values).
-    fn row(&self, r: usize, out: &mut [f32], tab: &Tables) {
+    /// Decodes row `r` into `out` (`cols` values); `codes` is scratch space of `cols` bytes.
+    fn row(&self, r: usize, out: &mut [f32], codes: &mut [u8], tab: &Tables) {
         let cols = self.cols;
         match &self.plan {
             Plan::Float { t } => {
                 let base = r * cols;
-                for (j, o) in out.iter_mut().enumerate() {
-                    *o = float_at(t.dtype, &t.bytes, base + j);
+                match t.dtype {
+                    RawDType::Bf16 => {
+                        for (o, c) in out.iter_mut().zip(t.bytes[2 * base..2 * (base + cols)].chunks_exact(2)) {
+                            *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                        }
+                    }
+                    _ => {
+                        for (j, o) in out.iter_mut().enumerate() {
+                            *o = float_at(t.dtype, &t.bytes, base + j);
+                        }
+                    }
                 }
             }
             Plan::Quant { spec, w, scales, biases, global } => {
-                let bits = spec.bits as u32;
-                let mask = (1u64 << bits) - 1;
                 let gs = spec.group_size;
                 let groups = cols / gs;
                 let row_bytes = cols * spec.bits / 8;
-                let mut rd = BitReader::new(&w[r * row_bytes..(r + 1) * row_bytes]);
+                decode_row_codes(spec.bits, &w[r * row_bytes..(r + 1) * row_bytes], codes);
                 let s0 = r * groups;
+                let chunks = out.chunks_exact_mut(gs).zip(codes.chunks_exact(gs)).enumerate();
                 match spec.mode {
                     QuantMode::Affine => {
                         let b = biases.expect("validated");
-                        for g in 0..groups {
+                        for (g, (o, q)) in chunks {
                             let s = float_at(scales.dtype, &scales.bytes, s0 + g);
                             let bb = float_at(b.dtype, &b.bytes, s0 + g);
-                            for o in &mut out[g * gs..(g + 1) * gs] {
-                                let q = rd.take(bits, mask) as f32;
-                                // Two separate roundings, like MLX (`s*q + b` in f32).
-                                *o = s * q + bb;
+                            for (o, &q) in o.iter_mut().zip(q) {
+                                // Two separate roundings, like MLX (`s*q + b` in f32; no FMA).
+                                *o = s * q as f32 + bb;
                             }
                         }
                     }
-                    QuantMode::Mxfp4 | QuantMode::Mxfp8 => {
-                        let fp4 = spec.mode == QuantMode::Mxfp4;
-                        for g in 0..groups {
-                            let s = tab.e8m0[scales.bytes[s0 + g] as usize];
-                            for o in &mut out[g * gs..(g + 1) * gs] {
-                                let q = rd.take(bits, mask) as usize;
-                                let v = if fp4 { tab.e2m1[q] } else { tab.e4m3[q] };
-                                *o = v * s;
-                            }
-                        }
-                    }
-                    QuantMode::Nvfp4 => {
+                    QuantMode::Mxfp4 | QuantMode::Nvfp4 => {
                         let gf = global.as_ref().map(|(f, per)| f[r / per]);
-                        for g in 0..groups {
-                            let mut s = tab.e4m3[scales.bytes[s0 + g] as usize];
+                        for (g, (o, q)) in chunks {
+                            let sc = scales.bytes[s0 + g] as usize;
+                            let mut s = if spec.mode == QuantMode::Mxfp4 { tab.e8m0[sc] } else { tab.e4m3[sc] };
                             if let Some(gf) = gf {
                                 s *= gf;
                             }
-                            for o in &mut out[g * gs..(g + 1) * gs] {
-                                *o = tab.e2m1[rd.take(bits, mask) as usize] * s;
+                            for (o, &q) in o.iter_mut().zip(q) {
+                                *o = tab.e2m1[(q & 15) as usize] * s;
+                            }
+                        }
+                    }
+                    QuantMode::Mxfp8 => {
+                        for (g, (o, q)) in chunks {
+                            let s = tab.e8m0[scales.bytes[s0 + g] as usize];
+                            for (o, &q) in o.iter_mut().zip(q) {
+                                *o = tab.e4m3[q as usize] * s;
                             }
                         }
                     }
@@ -330,18 +352,22 @@ impl Layout<'_> {
         }
         let tab = Tables::new();
         let start = rows.start;
-        // Parallel over chunks of rows; tiny requests stay on this thread.
+        // Parallel over chunks of rows; small requests stay on this thread.
         if rows.len() * cols < 1 << 16 {
+            let mut codes = vec![0u8; cols];
             for (i, o) in out.chunks_mut(cols).enumerate() {
-                self.row(start + i, o, &tab);
+                self.row(start + i, o, &mut codes, &tab);
             }
         } else {
-            let rows_per_task = ((1 << 15) / cols).max(1);
-            out.par_chunks_mut(rows_per_task * cols).enumerate().for_each(|(c, chunk)| {
-                for (i, o) in chunk.chunks_mut(cols).enumerate() {
-                    self.row(start + c * rows_per_task + i, o, &tab);
-                }
-            });
+            let rows_per_task = ((1 << 16) / cols).max(1);
+            out.par_chunks_mut(rows_per_task * cols).enumerate().for_each_init(
+                || vec![0u8; cols],
+                |codes, (c, chunk)| {
+                    for (i, o) in chunk.chunks_mut(cols).enumerate() {
+                        self.row(start + c * rows_per_task + i, o, codes, &tab);
+                    }
+                },
+            );
         }
     }
 }
@@ -350,7 +376,7 @@ impl Layout<'_> {
 pub fn rows_cols(w: &WeightData) -> (usize, usize) {
     let cols = w.param.shape.last().copied().unwrap_or(0);
     let numel: usize = w.param.shape.iter().product();
-    (if cols == 0 { 0 } else { numel / cols }, cols)
+    (numel.checked_div(cols).unwrap_or(0), cols)
 }
 
 /// Dequantizes (or converts) the whole tensor to f32, in its float shape.

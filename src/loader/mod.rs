@@ -117,7 +117,7 @@ pub type ProgressFn = dyn Fn(u64, u64) + Send + Sync;
 pub struct LoadOptions<'a> {
     /// Called after each tensor is copied with `(bytes_loaded, bytes_total)`;
     /// may be called from several threads.
-    pub progress: Option<&'a ProgressFn>,
+    pub progress: Option<&'a (dyn Fn(u64, u64) + Send + Sync + 'a)>,
 }
 
 /// An opened MLX checkpoint directory.
@@ -559,12 +559,8 @@ impl Checkpoint {
                 }
                 Some((k, t)) => {
                     used.insert(k.as_str());
+                    // Defects were reported by `open` (truncation once per file).
                     match &t.defect {
-                        // Already reported at open, except truncation (reported per use).
-                        Some(d) if d.truncated => {
-                            r.push(Problem::tensor(Severity::Error, full, pre, format!("unreadable: {}", d.message)));
-                            None
-                        }
                         Some(_) => None,
                         None => Some(t),
                     }
@@ -827,7 +823,7 @@ fn guess_in_dim(w: &TensorInfo, s: &TensorInfo) -> Option<usize> {
 fn infer_spec(w: &TensorInfo, s: &TensorInfo, in_dim: usize) -> Option<QuantSpec> {
     let wc = *w.shape.last()?;
     let sc = *s.shape.last()?;
-    if in_dim == 0 || sc == 0 || (wc * 32) % in_dim != 0 || in_dim % sc != 0 {
+    if in_dim == 0 || sc == 0 || !(wc * 32).is_multiple_of(in_dim) || !in_dim.is_multiple_of(sc) {
         return None;
     }
     let bits = wc * 32 / in_dim;

@@ -22,8 +22,8 @@ pub const MAX_HEADER_BYTES: u64 = 100 << 20;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Defect {
     pub message: String,
-    /// The file is truncated: the defect is reported once per file, and again
-    /// for each tensor a graph needs.
+    /// The data is missing because the file is truncated (reported once per
+    /// file rather than once per tensor).
     pub truncated: bool,
 }
 
