@@ -1,0 +1,1092 @@
+//! WGSL kernels and their launchers.
+//!
+//! [`Kernels`] builds (and caches) one compute pipeline per [`KernelSpec`]: a kernel
+//! family specialized by generated `const`s and preprocessor flags (see
+//! [`super::shader`]), in a subgroup or a non-subgroup variant chosen at creation.
+//! Each op has a launcher (`MatMulKernel`, `RmsNormKernel`, ...) that
+//! - computes the small uniform params struct for a shape (`params`),
+//! - builds a bind group from caller-owned buffers (`bind_group`; build once, reuse),
+//! - records its dispatch(es) into a caller-provided compute pass (`dispatch`).
+//!
+//! A runtime can therefore pre-build every bind group of a graph and encode a
+//! whole phase in one compute pass; per step only params bytes may change.
+//! Every params struct is `Pod`: write it with `queue.write_buffer` or create it
+//! with [`Gpu::uniform`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytemuck::{Pod, Zeroable};
+use markbase_graph::ops::{BinaryOp, NormScale, UnaryOp};
+use markbase_graph::quant::FloatType;
+
+use super::device::{Gpu, GpuError};
+use super::shader::{reflect_bindings, BindKind, Source};
+use super::weights::{GpuFormat, GpuWeight};
+
+const COMMON: &str = include_str!("../../wgsl/common.wgsl");
+const WEIGHTS: &str = include_str!("../../wgsl/weights.wgsl");
+const GEMV: &str = include_str!("../../wgsl/gemv.wgsl");
+const GEMM: &str = include_str!("../../wgsl/gemm.wgsl");
+const EMBED: &str = include_str!("../../wgsl/embed.wgsl");
+const RMSNORM: &str = include_str!("../../wgsl/rmsnorm.wgsl");
+const ROPE: &str = include_str!("../../wgsl/rope.wgsl");
+const KV_WRITE: &str = include_str!("../../wgsl/kv_write.wgsl");
+const ATTENTION: &str = include_str!("../../wgsl/attention.wgsl");
+const ATTN_COMBINE: &str = include_str!("../../wgsl/attn_combine.wgsl");
+const ELEMENTWISE: &str = include_str!("../../wgsl/elementwise.wgsl");
+const ROUTING: &str = include_str!("../../wgsl/routing.wgsl");
+const COPY: &str = include_str!("../../wgsl/copy.wgsl");
+const ARGMAX: &str = include_str!("../../wgsl/argmax.wgsl");
+const SAMPLE: &str = include_str!("../../wgsl/sample.wgsl");
+
+/// From this many tokens on, a plain matmul uses the tiled GEMM instead of the GEMV.
+pub const GEMM_MIN_T: usize = 8;
+/// Largest head dim the attention kernel takes.
+pub const MAX_HEAD_DIM: usize = 512;
+/// Largest rotary pair count of the rope params table.
+pub const MAX_ROPE_PAIRS: usize = 256;
+
+const ATTN_WG: u32 = 128;
+const ELEM_WG: u32 = 256;
+const NORM_WG: u32 = 128;
+
+fn dt_code(t: FloatType) -> u32 {
+    match t {
+        FloatType::Bf16 => 0,
+        FloatType::F16 => 1,
+        FloatType::F32 => 2,
+    }
+}
+
+/// One specialization of a kernel family (its prelude consts and flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelSpec {
+    /// `wg` invocations, `rows` rows and `tt` tokens per workgroup; `xvec`: K % 32 == 0.
+    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool },
+    Gemm { fmt: GpuFormat },
+    Embed { fmt: GpuFormat },
+    RmsNorm { w: Option<FloatType> },
+    Rope,
+    KvWrite,
+    /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs.
+    Attention { dpt: u32, split: bool },
+    AttnCombine,
+    GeGlu,
+    Binary { b: FloatType },
+    Unary,
+    TopK,
+    TopKSoftmax { scale: Option<FloatType> },
+    WeightedSum,
+    Copy,
+    Argmax { wg: u32 },
+    /// `Op::Sample` (see [`super::sample`]).
+    Sample,
+}
+
+fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Source {
+    let (wfmt, fdt) = match fmt {
+        GpuFormat::Affine { .. } => (0, 2),
+        GpuFormat::Mxfp4 => (1, 2),
+        GpuFormat::Mxfp8 => (2, 2),
+        GpuFormat::Nvfp4 { .. } => (3, 2),
+        GpuFormat::Float(t) => (4, dt_code(t)),
+    };
+    let sdt = match fmt {
+        GpuFormat::Affine { scale, .. } => dt_code(scale),
+        _ => 2,
+    };
+    let bits = if fmt.is_quantized() { fmt.bits() } else { 16 };
+    let fast4 = fast && k_mult32 && fmt.is_quantized() && bits == 4;
+    let fast8 = fast && k_mult32 && fmt.is_quantized() && bits == 8;
+    src.c("WFMT", wfmt)
+        .c("WBITS", bits)
+        .c("WGROUP", fmt.group())
+        .c("SDT", sdt)
+        .c("FDT", fdt)
+        .flag("W_FLOAT", !fmt.is_quantized())
+        .flag("W_QUANT", fmt.is_quantized())
+        .flag("W_AFFINE", fmt.has_biases())
+        .flag("W_GLOBAL", fmt.has_global())
+        .flag("W_FAST4", fast4)
+        .flag("W_FAST8", fast8)
+        .flag("W_VEC4", fast4 || fast8)
+}
+
+impl KernelSpec {
+    /// Whether the spec has a subgroup variant (the others ignore the choice).
+    pub fn uses_subgroups(&self) -> bool {
+        matches!(self, KernelSpec::Gemv { .. } | KernelSpec::RmsNorm { .. } | KernelSpec::Attention { .. })
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec } => format!(
+                "gemv[{} wg{wg} r{rows} t{tt}{}{}]",
+                fmt.describe(),
+                if *gather { " gather" } else { "" },
+                if *xvec { "" } else { " masked" }
+            ),
+            KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
+            KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
+            KernelSpec::RmsNorm { w } => format!("rms_norm[{}]", w.map_or("none", |t| t.name())),
+            KernelSpec::Rope => "rope".into(),
+            KernelSpec::KvWrite => "kv_write".into(),
+            KernelSpec::Attention { dpt, split } => format!("attention[dpt{dpt}{}]", if *split { " split" } else { "" }),
+            KernelSpec::AttnCombine => "attn_combine".into(),
+            KernelSpec::GeGlu => "geglu".into(),
+            KernelSpec::Binary { b } => format!("binary[{}]", b.name()),
+            KernelSpec::Unary => "unary".into(),
+            KernelSpec::TopK => "top_k".into(),
+            KernelSpec::TopKSoftmax { scale } => format!("top_k_softmax[{}]", scale.map_or("none", |t| t.name())),
+            KernelSpec::WeightedSum => "weighted_sum".into(),
+            KernelSpec::Copy => "copy".into(),
+            KernelSpec::Argmax { wg } => format!("argmax[wg{wg}]"),
+            KernelSpec::Sample => "sample".into(),
+        }
+    }
+
+    /// The WGSL source of this spec.
+    pub fn source(&self, subgroups: bool) -> Source {
+        let sg = subgroups && self.uses_subgroups();
+        match *self {
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec } => {
+                let s = Source::new(&[COMMON, WEIGHTS, GEMV])
+                    .c("WG", wg)
+                    .c("R", rows)
+                    .c("TT", tt)
+                    .c("RED_N", rows * tt * wg)
+                    .flag("SUBGROUP", sg)
+                    .flag("GATHER", gather)
+                    .flag("XVEC", xvec)
+                    .flag("TT1", tt == 1);
+                weight_source(s, fmt, true, xvec)
+            }
+            KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false),
+            KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false),
+            KernelSpec::RmsNorm { w } => Source::new(&[COMMON, RMSNORM])
+                .c("WG", NORM_WG)
+                .c("NDT", w.map_or(2, dt_code))
+                .flag("HAS_W", w.is_some())
+                .flag("SUBGROUP", sg),
+            KernelSpec::Rope => Source::new(&[COMMON, ROPE]).c("WG", 64),
+            KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
+            KernelSpec::Attention { dpt, split } => Source::new(&[COMMON, ATTENTION])
+                .c("WG", ATTN_WG)
+                .c("DPT", dpt)
+                .c("QV4", dpt * ATTN_WG / 4)
+                .flag("SPLIT", split)
+                .flag("SUBGROUP", sg),
+            KernelSpec::AttnCombine => Source::new(&[COMMON, ATTN_COMBINE]).c("WG", 64),
+            KernelSpec::GeGlu => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("GEGLU", true),
+            KernelSpec::Binary { b } => {
+                Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", dt_code(b)).flag("BINARY", true)
+            }
+            KernelSpec::Unary => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("UNARY", true),
+            KernelSpec::TopK => Source::new(&[COMMON, ROUTING]).c("WG", 64).c("SDT", 2).flag("TOPK", true),
+            KernelSpec::TopKSoftmax { scale } => Source::new(&[COMMON, ROUTING])
+                .c("WG", 64)
+                .c("SDT", scale.map_or(2, dt_code))
+                .flag("TOPK_SOFTMAX", true)
+                .flag("HAS_SCALE", scale.is_some()),
+            KernelSpec::WeightedSum => Source::new(&[COMMON, ROUTING]).c("WG", ELEM_WG).c("SDT", 2).flag("WSUM", true),
+            KernelSpec::Copy => Source::new(&[COMMON, COPY]).c("WG", ELEM_WG),
+            KernelSpec::Argmax { wg } => Source::new(&[COMMON, ARGMAX]).c("WG", wg),
+            KernelSpec::Sample => Source::new(&[SAMPLE]).c("WG", 256),
+        }
+    }
+
+    /// A representative set of every family and variant (for the naga target test).
+    pub fn all_variants() -> Vec<KernelSpec> {
+        let fmts = all_formats();
+        let mut v = Vec::new();
+        for &fmt in &fmts {
+            for (tt, gather) in [(1, false), (3, false), (1, true)] {
+                for xvec in [true, false] {
+                    v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec });
+                }
+            }
+            v.push(KernelSpec::Gemm { fmt });
+            v.push(KernelSpec::Embed { fmt });
+        }
+        for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
+            v.push(KernelSpec::RmsNorm { w });
+            v.push(KernelSpec::TopKSoftmax { scale: w });
+        }
+        for b in [FloatType::Bf16, FloatType::F16, FloatType::F32] {
+            v.push(KernelSpec::Binary { b });
+        }
+        for dpt in [1, 2, 4] {
+            for split in [false, true] {
+                v.push(KernelSpec::Attention { dpt, split });
+            }
+        }
+        v.extend([
+            KernelSpec::Rope,
+            KernelSpec::KvWrite,
+            KernelSpec::AttnCombine,
+            KernelSpec::GeGlu,
+            KernelSpec::Unary,
+            KernelSpec::TopK,
+            KernelSpec::WeightedSum,
+            KernelSpec::Copy,
+            KernelSpec::Argmax { wg: 256 },
+            KernelSpec::Argmax { wg: 1024 },
+            KernelSpec::Sample,
+        ]);
+        v
+    }
+}
+
+/// Every weight format the kernels decode.
+pub fn all_formats() -> Vec<GpuFormat> {
+    let mut v = vec![GpuFormat::Float(FloatType::Bf16), GpuFormat::Float(FloatType::F16), GpuFormat::Float(FloatType::F32)];
+    for bits in [1, 2, 3, 4, 5, 6, 8] {
+        v.push(GpuFormat::Affine { bits, group: 64, scale: FloatType::Bf16 });
+    }
+    v.push(GpuFormat::Affine { bits: 4, group: 32, scale: FloatType::F16 });
+    v.push(GpuFormat::Affine { bits: 8, group: 128, scale: FloatType::F32 });
+    v.extend([GpuFormat::Mxfp4, GpuFormat::Mxfp8, GpuFormat::Nvfp4 { global: false }, GpuFormat::Nvfp4 { global: true }]);
+    v
+}
+
+/// How pipelines are built.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelOptions {
+    /// Use the subgroup variants (requires the device's SUBGROUP feature).
+    pub subgroups: bool,
+    /// Shader modules without runtime bounds checks (`create_shader_module_trusted`).
+    pub unchecked: bool,
+}
+
+impl KernelOptions {
+    /// Subgroups when the device has them; bounds checks unless `MARKBASE_UNCHECKED=1`.
+    pub fn for_gpu(gpu: &Gpu) -> Self {
+        KernelOptions {
+            subgroups: gpu.info.subgroups,
+            unchecked: std::env::var("MARKBASE_UNCHECKED").is_ok_and(|v| v == "1"),
+        }
+    }
+}
+
+/// A compiled kernel: pipeline plus the layout of its bind group (group 0).
+pub struct Kernel {
+    pub name: String,
+    pub pipeline: wgpu::ComputePipeline,
+    pub layout: wgpu::BindGroupLayout,
+    /// Binding numbers and kinds, sorted.
+    pub bindings: Vec<(u32, BindKind)>,
+}
+
+impl Kernel {
+    /// A bind group from `(binding, resource)` pairs; every binding of the kernel exactly once.
+    pub fn bind_group(&self, device: &wgpu::Device, res: &[(u32, wgpu::BindingResource<'_>)]) -> wgpu::BindGroup {
+        let mut want: Vec<u32> = self.bindings.iter().map(|b| b.0).collect();
+        let mut have: Vec<u32> = res.iter().map(|r| r.0).collect();
+        want.sort_unstable();
+        have.sort_unstable();
+        assert_eq!(want, have, "{}: bindings given {have:?}, kernel has {want:?}", self.name);
+        let entries: Vec<wgpu::BindGroupEntry> =
+            res.iter().map(|(b, r)| wgpu::BindGroupEntry { binding: *b, resource: r.clone() }).collect();
+        device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some(&self.name), layout: &self.layout, entries: &entries })
+    }
+
+    /// Like [`Kernel::bind_group`] with whole buffers.
+    pub fn bind_buffers(&self, device: &wgpu::Device, bufs: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
+        let res: Vec<(u32, wgpu::BindingResource)> = bufs.iter().map(|(b, buf)| (*b, buf.as_entire_binding())).collect();
+        self.bind_group(device, &res)
+    }
+
+    /// Records one dispatch.
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, groups: [u32; 3]) {
+        if groups.contains(&0) {
+            return;
+        }
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, bg, &[]);
+        pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+    }
+}
+
+/// Pipeline factory and cache.
+pub struct Kernels {
+    device: wgpu::Device,
+    pub opts: KernelOptions,
+    pub limits: wgpu::Limits,
+    cache: Mutex<HashMap<KernelSpec, Arc<Kernel>>>,
+}
+
+/// Splits `n` workgroups over x (and y when above the per-dimension limit); the
+/// kernels walk `gid.x + gid.y * stride` so any coverage works.
+fn grid(n: u64, max: u32) -> [u32; 3] {
+    let n = n.max(1);
+    if n <= max as u64 {
+        [n as u32, 1, 1]
+    } else {
+        let y = n.div_ceil(max as u64).min(max as u64);
+        [max, y as u32, 1]
+    }
+}
+
+fn div_ceil(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+impl Kernels {
+    pub fn new(gpu: &Gpu, opts: KernelOptions) -> Result<Kernels, GpuError> {
+        if opts.subgroups && !gpu.info.subgroups {
+            return Err(GpuError::Other("subgroup kernels requested but the device has no SUBGROUP feature".into()));
+        }
+        Ok(Kernels { device: gpu.device.clone(), opts, limits: gpu.info.limits.clone(), cache: Mutex::new(HashMap::new()) })
+    }
+
+    /// With [`KernelOptions::for_gpu`].
+    pub fn for_gpu(gpu: &Gpu) -> Result<Kernels, GpuError> {
+        Kernels::new(gpu, KernelOptions::for_gpu(gpu))
+    }
+
+    fn maxg(&self) -> u32 {
+        self.limits.max_compute_workgroups_per_dimension
+    }
+
+    /// The pipeline of `spec`, built on first use.
+    pub fn get(&self, spec: KernelSpec) -> Result<Arc<Kernel>, GpuError> {
+        if let Some(k) = self.cache.lock().unwrap().get(&spec) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(self.build(spec)?);
+        self.cache.lock().unwrap().insert(spec, k.clone());
+        Ok(k)
+    }
+
+    fn build(&self, spec: KernelSpec) -> Result<Kernel, GpuError> {
+        let name = format!("{}{}", spec.name(), if self.opts.subgroups && spec.uses_subgroups() { "+sg" } else { "" });
+        let text = spec.source(self.opts.subgroups).text();
+        let kerr = |msg: String| GpuError::Kernel { name: name.clone(), msg };
+        let bindings = reflect_bindings(&text).map_err(kerr)?;
+        let dev = &self.device;
+        let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        let desc = wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(text.as_str().into()) };
+        let module = if self.opts.unchecked {
+            // SAFETY: the kernels index only inside their bound buffers for params that
+            // the launchers produce (every index is guarded by the shape in the params);
+            // this is opt-in (MARKBASE_UNCHECKED=1) and covered by the CI tests with checks on.
+            unsafe { dev.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+        } else {
+            dev.create_shader_module(desc)
+        };
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
+            .iter()
+            .map(|&(binding, kind)| wgpu::BindGroupLayoutEntry {
+                binding,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: match kind {
+                        BindKind::Uniform => wgpu::BufferBindingType::Uniform,
+                        BindKind::Read => wgpu::BufferBindingType::Storage { read_only: true },
+                        BindKind::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
+                    },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let layout = dev.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(&name), entries: &entries });
+        let pl = dev.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(&name),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipeline = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&name),
+            layout: Some(&pl),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: wgpu::PipelineCompilationOptions { constants: &[], zero_initialize_workgroup_memory: false },
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(kerr(e.to_string()));
+        }
+        Ok(Kernel { name, pipeline, layout, bindings })
+    }
+
+    // ---------------------------------------------------------------- matmul
+
+    /// A matmul `y[T, N] = x[T, K] @ W^T` (or GatherMatMul when `gather`) for `t` tokens
+    /// (`gather`: `t` = T*S pairs): the GEMV for `t < GEMM_MIN_T` or gathered, else the GEMM.
+    pub fn matmul(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
+        let xvec = k % 32 == 0;
+        let gemv = gather || t < GEMM_MIN_T;
+        let spec = if gemv {
+            let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
+            let rows = if tt == 1 { 8 } else { 4 };
+            let nblk = div_ceil(k, 32) as u32;
+            let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
+            let wg = nblk.next_power_of_two().clamp(32, max_wg);
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec }
+        } else {
+            KernelSpec::Gemm { fmt }
+        };
+        Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
+    }
+
+    pub fn embed(&self, fmt: GpuFormat) -> Result<EmbedKernel, GpuError> {
+        Ok(EmbedKernel { kernel: self.get(KernelSpec::Embed { fmt })?, maxg: self.maxg() })
+    }
+
+    pub fn rms_norm(&self, w: Option<FloatType>) -> Result<RmsNormKernel, GpuError> {
+        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w })?, maxg: self.maxg() })
+    }
+
+    pub fn rope(&self) -> Result<RopeKernel, GpuError> {
+        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope)?, maxg: self.maxg() })
+    }
+
+    pub fn kv_write(&self) -> Result<KvWriteKernel, GpuError> {
+        Ok(KvWriteKernel { kernel: self.get(KernelSpec::KvWrite)?, maxg: self.maxg() })
+    }
+
+    /// Attention for head dim `d`; `nsplit > 1` splits each query's keys over that many
+    /// workgroups (decode over long contexts) and adds the combine dispatch.
+    pub fn attention(&self, d: usize, nsplit: usize) -> Result<AttentionKernel, GpuError> {
+        if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
+            return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
+        }
+        let dpt = div_ceil(d, ATTN_WG as usize) as u32;
+        let split = nsplit > 1;
+        let kernel = self.get(KernelSpec::Attention { dpt, split })?;
+        let combine = if split { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
+        Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
+    }
+
+    pub fn geglu(&self) -> Result<ElementwiseKernel, GpuError> {
+        Ok(ElementwiseKernel { kernel: self.get(KernelSpec::GeGlu)?, maxg: self.maxg() })
+    }
+
+    /// Binary op with `b` stored as `b_dtype` (f32 for activations; bf16/f16 weights as stored).
+    pub fn binary(&self, b_dtype: FloatType) -> Result<ElementwiseKernel, GpuError> {
+        Ok(ElementwiseKernel { kernel: self.get(KernelSpec::Binary { b: b_dtype })?, maxg: self.maxg() })
+    }
+
+    pub fn unary(&self) -> Result<ElementwiseKernel, GpuError> {
+        Ok(ElementwiseKernel { kernel: self.get(KernelSpec::Unary)?, maxg: self.maxg() })
+    }
+
+    pub fn top_k(&self) -> Result<RoutingKernel, GpuError> {
+        Ok(RoutingKernel { kernel: self.get(KernelSpec::TopK)?, wg: 64, maxg: self.maxg() })
+    }
+
+    pub fn top_k_softmax(&self, scale: Option<FloatType>) -> Result<RoutingKernel, GpuError> {
+        Ok(RoutingKernel { kernel: self.get(KernelSpec::TopKSoftmax { scale })?, wg: 64, maxg: self.maxg() })
+    }
+
+    pub fn weighted_sum(&self) -> Result<RoutingKernel, GpuError> {
+        Ok(RoutingKernel { kernel: self.get(KernelSpec::WeightedSum)?, wg: ELEM_WG, maxg: self.maxg() })
+    }
+
+    pub fn copy(&self) -> Result<CopyKernel, GpuError> {
+        Ok(CopyKernel { kernel: self.get(KernelSpec::Copy)?, maxg: self.maxg() })
+    }
+
+    pub fn argmax(&self) -> Result<ArgmaxKernel, GpuError> {
+        let wg = self.limits.max_compute_invocations_per_workgroup.min(1024).min(self.limits.max_compute_workgroup_size_x);
+        let wg = if wg.is_power_of_two() { wg } else { wg.next_power_of_two() / 2 };
+        Ok(ArgmaxKernel { kernel: self.get(KernelSpec::Argmax { wg })? })
+    }
+}
+
+// -------------------------------------------------------------------- matmul
+
+/// Params of `gemv.wgsl` / `gemm.wgsl` (binding 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct MatMulParams {
+    pub t: u32,
+    pub k: u32,
+    pub rows: u32,
+    pub row_start: u32,
+    pub ldy: u32,
+    pub e_start: u32,
+    pub e_count: u32,
+    pub s: u32,
+    pub x_bcast: u32,
+    pub _pad: [u32; 3],
+}
+
+/// Shape of one matmul dispatch (one weight chunk).
+#[derive(Clone, Copy, Debug)]
+pub struct MatMulDims {
+    /// Tokens (gathered: T*S pairs).
+    pub t: usize,
+    pub k: usize,
+    /// Rows of the chunk (gathered: N, rows per expert).
+    pub rows: usize,
+    /// Output column of the chunk's first row (gathered: 0).
+    pub row_start: usize,
+    /// Row stride of y (N of the whole weight).
+    pub ldy: usize,
+    pub gather: Option<GatherDims>,
+}
+
+/// Gathered-matmul extras.
+#[derive(Clone, Copy, Debug)]
+pub struct GatherDims {
+    /// Experts per token.
+    pub s: usize,
+    /// Experts held by the chunk.
+    pub e_start: usize,
+    pub e_count: usize,
+    /// x is `[T, K]`, shared by a token's S pairs (else `[T, S, K]`).
+    pub x_bcast: bool,
+}
+
+impl MatMulDims {
+    /// Dims of chunk `c` of `w` for `t` tokens (plain matmul).
+    pub fn plain(w: &GpuWeight, c: usize, t: usize) -> Self {
+        let ch = &w.chunks[c];
+        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None }
+    }
+    /// Dims of chunk `c` of the expert stack `w` for `tokens` tokens with `s` experts each.
+    pub fn gathered(w: &GpuWeight, c: usize, tokens: usize, s: usize, x_bcast: bool) -> Self {
+        let (e_start, e_count) = w.chunk_experts(c);
+        MatMulDims {
+            t: tokens * s,
+            k: w.k,
+            rows: w.rows_per_expert,
+            row_start: 0,
+            ldy: w.rows_per_expert,
+            gather: Some(GatherDims { s, e_start, e_count, x_bcast }),
+        }
+    }
+}
+
+/// Matmul launcher. Bindings: 0 params, 1 x (f32), 2 y (f32, written), 3 ids (u32 `[T*S]`,
+/// gathered only), 8 packed weights, 9 scales, 10 biases, 11 global scale (as the format has them).
+pub struct MatMulKernel {
+    pub kernel: Arc<Kernel>,
+    pub spec: KernelSpec,
+    maxg: u32,
+}
+
+impl MatMulKernel {
+    pub fn is_gemv(&self) -> bool {
+        matches!(self.spec, KernelSpec::Gemv { .. })
+    }
+
+    pub fn params(&self, d: &MatMulDims) -> MatMulParams {
+        let g = d.gather.unwrap_or(GatherDims { s: 1, e_start: 0, e_count: 0, x_bcast: false });
+        MatMulParams {
+            t: d.t as u32,
+            k: d.k as u32,
+            rows: d.rows as u32,
+            row_start: d.row_start as u32,
+            ldy: d.ldy as u32,
+            e_start: g.e_start as u32,
+            e_count: g.e_count as u32,
+            s: g.s as u32,
+            x_bcast: g.x_bcast as u32,
+            _pad: [0; 3],
+        }
+    }
+
+    pub fn groups(&self, d: &MatMulDims) -> [u32; 3] {
+        let m = self.maxg as usize;
+        match self.spec {
+            KernelSpec::Gemv { rows, tt, gather, .. } => {
+                let ty = if gather { d.t } else { div_ceil(d.t, tt as usize) };
+                [div_ceil(d.rows, rows as usize).min(m) as u32, ty.min(m) as u32, 1]
+            }
+            _ => [div_ceil(d.rows, 64).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, 1],
+        }
+    }
+
+    /// Bind group for chunk `c` of `w`.
+    pub fn bind_group(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        ids: Option<&wgpu::Buffer>,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        if let Some(ids) = ids {
+            res.push((3, ids.as_entire_binding()));
+        }
+        res.extend(w.bindings(c));
+        self.kernel.bind_group(device, &res)
+    }
+
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, d: &MatMulDims) {
+        self.kernel.dispatch(pass, bg, self.groups(d));
+    }
+}
+
+// -------------------------------------------------------------------- embed
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct EmbedParams {
+    pub t: u32,
+    pub d: u32,
+    pub row_start: u32,
+    pub rows: u32,
+    pub clamp: u32,
+    pub has_clamp: u32,
+    pub scale: f32,
+    pub _pad: u32,
+}
+
+/// Embedding gather. Bindings: 0 params, 1 ids (u32 `[T]`), 2 out (f32 `[T, D]`), 8.. weights.
+/// One dispatch per chunk of the table; each writes the tokens whose id it holds.
+pub struct EmbedKernel {
+    pub kernel: Arc<Kernel>,
+    maxg: u32,
+}
+
+impl EmbedKernel {
+    pub fn params(&self, w: &GpuWeight, c: usize, t: usize, scale: f32, clamp: Option<u32>) -> EmbedParams {
+        let ch = &w.chunks[c];
+        EmbedParams {
+            t: t as u32,
+            d: w.k as u32,
+            row_start: ch.row_start as u32,
+            rows: ch.rows as u32,
+            clamp: clamp.unwrap_or(0),
+            has_clamp: clamp.is_some() as u32,
+            scale,
+            _pad: 0,
+        }
+    }
+    pub fn groups(&self, t: usize, d: usize) -> [u32; 3] {
+        [div_ceil(div_ceil(d, 8), 64).min(self.maxg as usize) as u32, t.min(self.maxg as usize) as u32, 1]
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, ids: &wgpu::Buffer, out: &wgpu::Buffer, w: &GpuWeight, c: usize) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, ids.as_entire_binding()), (2, out.as_entire_binding())];
+        res.extend(w.bindings(c));
+        self.kernel.bind_group(device, &res)
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, t: usize, d: usize) {
+        self.kernel.dispatch(pass, bg, self.groups(t, d));
+    }
+}
+
+// -------------------------------------------------------------------- rms norm
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct RmsNormParams {
+    pub rows: u32,
+    pub d: u32,
+    pub eps: f32,
+    pub mode: u32,
+}
+
+/// RMSNorm. Bindings: 0 params, 1 x, 2 out, 3 w (when built with a weight dtype; stored bytes).
+pub struct RmsNormKernel {
+    pub kernel: Arc<Kernel>,
+    maxg: u32,
+}
+
+impl RmsNormKernel {
+    pub fn params(&self, rows: usize, d: usize, eps: f32, scale: NormScale) -> RmsNormParams {
+        let mode = match scale {
+            NormScale::None => 0,
+            NormScale::W => 1,
+            NormScale::OnePlusW => 2,
+        };
+        RmsNormParams { rows: rows as u32, d: d as u32, eps, mode }
+    }
+    pub fn groups(&self, rows: usize) -> [u32; 3] {
+        grid(rows as u64, self.maxg)
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, x: &wgpu::Buffer, out: &wgpu::Buffer, w: Option<&wgpu::Buffer>) -> wgpu::BindGroup {
+        let mut b = vec![(0, params), (1, x), (2, out)];
+        if let Some(w) = w {
+            b.push((3, w));
+        }
+        self.kernel.bind_buffers(device, &b)
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, rows: usize) {
+        self.kernel.dispatch(pass, bg, self.groups(rows));
+    }
+}
+
+// -------------------------------------------------------------------- rope
+
+/// Params of `rope.wgsl`: shape plus, per rotary pair, `frac(inv_freq / 2pi)` as a
+/// 64-bit fixed-point fraction of a turn (`[lo, hi]`, two pairs per entry).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct RopeParams {
+    pub t: u32,
+    pub heads: u32,
+    pub d: u32,
+    pub pairs: u32,
+    pub tab: [[u32; 4]; 128],
+}
+
+/// `frac(inv_freq / 2pi) * 2^64` for the f32 `inv_freq` of `cpu::ops::rope_inv_freq`.
+pub fn rope_turn_fraction(theta: f32, factor: f32, d: usize, i: usize) -> u64 {
+    let inv = crate::cpu::ops::rope_inv_freq(theta, factor, d, i) as f64;
+    let turns = inv / std::f64::consts::TAU;
+    let frac = turns - turns.floor();
+    // frac < 1: scale by 2^64 in two steps to keep the f64 exact.
+    let hi = (frac * 4294967296.0).floor();
+    let lo = ((frac * 4294967296.0 - hi) * 4294967296.0).floor();
+    ((hi as u64) << 32) | (lo as u64 & 0xffff_ffff)
+}
+
+/// RoPE. Bindings: 0 params, 1 x `[T, heads, D]`, 2 pos (u32 `[T]`), 3 out.
+pub struct RopeKernel {
+    pub kernel: Arc<Kernel>,
+    maxg: u32,
+}
+
+impl RopeKernel {
+    #[allow(clippy::too_many_arguments)]
+    pub fn params(&self, t: usize, heads: usize, d: usize, theta: f32, factor: f32, pairs: usize) -> RopeParams {
+        assert!(pairs <= MAX_ROPE_PAIRS && pairs <= d / 2, "rope: {pairs} pairs for head dim {d}");
+        let mut tab = [[0u32; 4]; 128];
+        for i in 0..pairs {
+            let f = rope_turn_fraction(theta, factor, d, i);
+            tab[i / 2][(i % 2) * 2] = f as u32;
+            tab[i / 2][(i % 2) * 2 + 1] = (f >> 32) as u32;
+        }
+        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, tab }
+    }
+    pub fn groups(&self, t: usize, heads: usize, d: usize) -> [u32; 3] {
+        grid(div_ceil(t * heads * (d / 2), 64) as u64, self.maxg)
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, x: &wgpu::Buffer, pos: &wgpu::Buffer, out: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.kernel.bind_buffers(device, &[(0, params), (1, x), (2, pos), (3, out)])
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, t: usize, heads: usize, d: usize) {
+        self.kernel.dispatch(pass, bg, self.groups(t, heads, d));
+    }
+}
+
+// -------------------------------------------------------------------- kv write
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct KvWriteParams {
+    pub t: u32,
+    pub row: u32,
+    pub slots: u32,
+    pub _pad: u32,
+}
+
+/// KV write. Bindings: 0 params, 1 x `[T, nkv, D]`, 2 pos, 3 cache `[S, nkv, D]` (written).
+pub struct KvWriteKernel {
+    pub kernel: Arc<Kernel>,
+    maxg: u32,
+}
+
+impl KvWriteKernel {
+    pub fn params(&self, t: usize, row: usize, slots: usize) -> KvWriteParams {
+        KvWriteParams { t: t as u32, row: row as u32, slots: slots as u32, _pad: 0 }
+    }
+    pub fn groups(&self, t: usize, row: usize) -> [u32; 3] {
+        grid(div_ceil(t * row, ELEM_WG as usize) as u64, self.maxg)
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, x: &wgpu::Buffer, pos: &wgpu::Buffer, cache: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.kernel.bind_buffers(device, &[(0, params), (1, x), (2, pos), (3, cache)])
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, t: usize, row: usize) {
+        self.kernel.dispatch(pass, bg, self.groups(t, row));
+    }
+}
+
+// -------------------------------------------------------------------- attention
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct AttentionParams {
+    pub t: u32,
+    pub nq: u32,
+    pub nkv: u32,
+    pub d: u32,
+    pub slots: u32,
+    pub window: u32,
+    pub nsplit: u32,
+    pub _pad0: u32,
+    pub scale: f32,
+    pub _pad: [u32; 3],
+}
+
+/// Attention. Bindings: 0 params, 1 q `[T, nq, D]`, 2 pos, 3 k, 4 v (`[S, nkv, D]`),
+/// 5 out `[T, nq, D]` (split: the partials buffer of [`AttentionKernel::partials_bytes`]).
+/// Split combine bindings: 0 params (the same buffer), 1 partials, 2 out.
+pub struct AttentionKernel {
+    pub kernel: Arc<Kernel>,
+    pub combine: Option<Arc<Kernel>>,
+    pub nsplit: u32,
+}
+
+impl AttentionKernel {
+    #[allow(clippy::too_many_arguments)]
+    pub fn params(&self, t: usize, nq: usize, nkv: usize, d: usize, slots: usize, scale: f32, window: Option<usize>) -> AttentionParams {
+        assert!(nkv > 0 && nq % nkv == 0, "attention: {nq} heads over {nkv} kv heads");
+        AttentionParams {
+            t: t as u32,
+            nq: nq as u32,
+            nkv: nkv as u32,
+            d: d as u32,
+            slots: slots as u32,
+            window: window.unwrap_or(0) as u32,
+            nsplit: self.nsplit,
+            _pad0: 0,
+            scale,
+            _pad: [0; 3],
+        }
+    }
+    /// Bytes of the scratch buffer for split partials.
+    pub fn partials_bytes(&self, t: usize, nq: usize, d: usize) -> u64 {
+        (t * nq * self.nsplit as usize * (d + 2) * 4) as u64
+    }
+    /// `out` is the final output, `partials` the scratch buffer (split only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_groups(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        q: &wgpu::Buffer,
+        pos: &wgpu::Buffer,
+        k: &wgpu::Buffer,
+        v: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        partials: Option<&wgpu::Buffer>,
+    ) -> (wgpu::BindGroup, Option<wgpu::BindGroup>) {
+        match &self.combine {
+            None => (self.kernel.bind_buffers(device, &[(0, params), (1, q), (2, pos), (3, k), (4, v), (5, out)]), None),
+            Some(c) => {
+                let part = partials.expect("split attention needs a partials buffer");
+                let a = self.kernel.bind_buffers(device, &[(0, params), (1, q), (2, pos), (3, k), (4, v), (5, part)]);
+                let b = c.bind_buffers(device, &[(0, params), (1, part), (2, out)]);
+                (a, Some(b))
+            }
+        }
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &(wgpu::BindGroup, Option<wgpu::BindGroup>), t: usize, nq: usize) {
+        self.kernel.dispatch(pass, &bg.0, [nq as u32, t as u32, self.nsplit]);
+        if let (Some(c), Some(b)) = (&self.combine, &bg.1) {
+            c.dispatch(pass, b, [nq as u32, t as u32, 1]);
+        }
+    }
+}
+
+/// A split count for decode attention: enough workgroups to fill a large GPU when
+/// `heads * tokens` alone cannot, at least 256 keys per split.
+pub fn attention_splits(slots: usize, heads: usize, t: usize) -> usize {
+    if t > 1 {
+        return 1;
+    }
+    let by_len = slots.div_ceil(256);
+    let by_occupancy = 256usize.div_ceil(heads.max(1));
+    by_len.min(by_occupancy).clamp(1, 64)
+}
+
+// -------------------------------------------------------------------- elementwise
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct ElementwiseParams {
+    pub n: u32,
+    pub nb: u32,
+    pub op: u32,
+    pub _pad0: u32,
+    pub f: f32,
+    pub _pad: [u32; 3],
+}
+
+impl ElementwiseParams {
+    pub fn geglu(n: usize) -> Self {
+        ElementwiseParams { n: n as u32, nb: n as u32, ..Default::default() }
+    }
+    /// `nb`: element count of `b` (broadcast over `a`).
+    pub fn binary(f: BinaryOp, n: usize, nb: usize) -> Self {
+        let op = match f {
+            BinaryOp::Add => 0,
+            BinaryOp::Mul => 1,
+        };
+        ElementwiseParams { n: n as u32, nb: nb.max(1) as u32, op, ..Default::default() }
+    }
+    pub fn unary(f: UnaryOp, n: usize) -> Self {
+        let (op, v) = match f {
+            UnaryOp::Scale { factor } => (0, factor),
+            UnaryOp::Gelu => (1, 0.0),
+            UnaryOp::Softcap { cap } => (2, cap),
+            UnaryOp::Tanh => (3, 0.0),
+        };
+        ElementwiseParams { n: n as u32, nb: 1, op, f: v, ..Default::default() }
+    }
+}
+
+/// GeGLU / Binary / Unary. Bindings: 0 params, 1 a, 2 out, 3 b (GeGLU: up; Binary: b as stored).
+pub struct ElementwiseKernel {
+    pub kernel: Arc<Kernel>,
+    maxg: u32,
+}
+
+impl ElementwiseKernel {
+    pub fn groups(&self, n: usize) -> [u32; 3] {
+        grid(div_ceil(n, ELEM_WG as usize) as u64, self.maxg)
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, a: &wgpu::Buffer, out: &wgpu::Buffer, b: Option<&wgpu::Buffer>) -> wgpu::BindGroup {
+        let mut v = vec![(0, params), (1, a), (2, out)];
+        if let Some(b) = b {
+            v.push((3, b));
+        }
+        self.kernel.bind_buffers(device, &v)
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, n: usize) {
+        self.kernel.dispatch(pass, bg, self.groups(n));
+    }
+}
+
+// -------------------------------------------------------------------- routing
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct RoutingParams {
+    pub t: u32,
+    /// Experts (WeightedSum: S).
+    pub e: u32,
+    /// Selected per token (WeightedSum: D).
+    pub k: u32,
+    pub _pad: u32,
+}
+
+/// TopK (bindings 0 params, 1 logits `[T, E]`, 2 ids out `[T, k]`), TopKSoftmax (0 params,
+/// 1 logits, 2 ids, 3 out `[T, k]`, 4 scale `[E]` as stored) and WeightedSum (0 params,
+/// 1 x `[T, S, D]`, 2 w `[T, S]`, 3 out `[T, D]`).
+pub struct RoutingKernel {
+    pub kernel: Arc<Kernel>,
+    wg: u32,
+    maxg: u32,
+}
+
+impl RoutingKernel {
+    pub fn params(&self, t: usize, e: usize, k: usize) -> RoutingParams {
+        RoutingParams { t: t as u32, e: e as u32, k: k as u32, _pad: 0 }
+    }
+    /// Invocations: TopK T*E, TopKSoftmax T, WeightedSum T*D.
+    pub fn groups(&self, invocations: usize) -> [u32; 3] {
+        grid(div_ceil(invocations, self.wg as usize) as u64, self.maxg)
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, bufs: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
+        self.kernel.bind_buffers(device, bufs)
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, invocations: usize) {
+        self.kernel.dispatch(pass, bg, self.groups(invocations));
+    }
+}
+
+// -------------------------------------------------------------------- copy
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct CopyParams {
+    pub outer: u32,
+    pub len: u32,
+    pub inner: u32,
+    pub src_axis: u32,
+    pub src_off: u32,
+    pub dst_axis: u32,
+    pub dst_off: u32,
+    pub _pad: u32,
+}
+
+impl CopyParams {
+    fn outer_inner(shape: &[usize], axis: usize) -> (usize, usize) {
+        (shape[..axis].iter().product(), shape[axis + 1..].iter().product())
+    }
+    /// Slice `len` entries from `start` along `axis` of a tensor of `shape`.
+    pub fn slice(shape: &[usize], axis: usize, start: usize, len: usize) -> Self {
+        let (outer, inner) = Self::outer_inner(shape, axis);
+        CopyParams {
+            outer: outer as u32,
+            len: len as u32,
+            inner: inner as u32,
+            src_axis: shape[axis] as u32,
+            src_off: start as u32,
+            dst_axis: len as u32,
+            dst_off: 0,
+            _pad: 0,
+        }
+    }
+    /// One part of a concat: the part (size `len` along `axis`) goes to offset `off` of the
+    /// output of shape `out_shape`.
+    pub fn concat_part(out_shape: &[usize], axis: usize, off: usize, len: usize) -> Self {
+        let (outer, inner) = Self::outer_inner(out_shape, axis);
+        CopyParams {
+            outer: outer as u32,
+            len: len as u32,
+            inner: inner as u32,
+            src_axis: len as u32,
+            src_off: 0,
+            dst_axis: out_shape[axis] as u32,
+            dst_off: off as u32,
+            _pad: 0,
+        }
+    }
+    pub fn elements(&self) -> usize {
+        self.outer as usize * self.len as usize * self.inner as usize
+    }
+}
+
+/// Slice / concat copy of 32-bit elements. Bindings: 0 params, 1 src, 2 dst.
+pub struct CopyKernel {
+    pub kernel: Arc<Kernel>,
+    maxg: u32,
+}
+
+impl CopyKernel {
+    pub fn groups(&self, p: &CopyParams) -> [u32; 3] {
+        grid(div_ceil(p.elements(), ELEM_WG as usize) as u64, self.maxg)
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, src: &wgpu::Buffer, dst: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.kernel.bind_buffers(device, &[(0, params), (1, src), (2, dst)])
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, p: &CopyParams) {
+        self.kernel.dispatch(pass, bg, self.groups(p));
+    }
+}
+
+// -------------------------------------------------------------------- argmax
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct ArgmaxParams {
+    pub v: u32,
+    pub offset: u32,
+    pub _pad: [u32; 2],
+}
+
+impl ArgmaxParams {
+    /// Argmax of the last row of `logits[T, V]`.
+    pub fn last_row(t: usize, v: usize) -> Self {
+        ArgmaxParams { v: v as u32, offset: ((t - 1) * v) as u32, _pad: [0; 2] }
+    }
+}
+
+/// Argmax (one workgroup). Bindings: 0 params, 1 logits, 2 out (u32 `[1]`).
+pub struct ArgmaxKernel {
+    pub kernel: Arc<Kernel>,
+}
+
+impl ArgmaxKernel {
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, logits: &wgpu::Buffer, out: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.kernel.bind_buffers(device, &[(0, params), (1, logits), (2, out)])
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup) {
+        self.kernel.dispatch(pass, bg, [1, 1, 1]);
+    }
+}

@@ -1,0 +1,253 @@
+//! GPU weight layout and upload.
+//!
+//! Every tensor is uploaded with its stored bytes unchanged (zero-padded to 4 bytes):
+//! packed u32 words `[rows, K*bits/32]`; affine scales/biases in their stored dtype
+//! (bf16 or f16 pairs packed in u32 words, or f32); mx/nv u8 scales four per word;
+//! the nvfp4 `global_scale` as f32; float weights as bf16/f16 pairs or f32. The
+//! kernels decode all of these (weights.wgsl).
+//!
+//! A tensor whose parts exceed the binding limit is split into row chunks (expert
+//! stacks: whole experts), each chunk its own buffers starting at its first row.
+
+use markbase_graph::quant::{FloatType, QuantMode, WeightFormat};
+
+use super::device::{Gpu, GpuError};
+use crate::weights::{RawDType, RawTensor, WeightData};
+
+/// A weight's storage format as the kernels see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GpuFormat {
+    /// Plain float matrix, row-major `[rows, K]`.
+    Float(FloatType),
+    /// MLX affine: `scale * q + bias`, scales/biases stored as `scale` dtype.
+    Affine { bits: u32, group: u32, scale: FloatType },
+    Mxfp4,
+    Mxfp8,
+    /// `global`: a per-expert f32 `global_scale` is bound too.
+    Nvfp4 { global: bool },
+}
+
+impl GpuFormat {
+    /// Bits per element of the packed data (floats: their width).
+    pub fn bits(&self) -> u32 {
+        match self {
+            GpuFormat::Float(t) => 8 * t.bytes() as u32,
+            GpuFormat::Affine { bits, .. } => *bits,
+            GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. } => 4,
+            GpuFormat::Mxfp8 => 8,
+        }
+    }
+    pub fn group(&self) -> u32 {
+        match self {
+            GpuFormat::Float(_) => 1,
+            GpuFormat::Affine { group, .. } => *group,
+            GpuFormat::Mxfp4 | GpuFormat::Mxfp8 => 32,
+            GpuFormat::Nvfp4 { .. } => 16,
+        }
+    }
+    pub fn is_quantized(&self) -> bool {
+        !matches!(self, GpuFormat::Float(_))
+    }
+    /// Bytes of one stored scale (and bias) entry.
+    pub fn scale_bytes(&self) -> usize {
+        match self {
+            GpuFormat::Float(_) => 0,
+            GpuFormat::Affine { scale, .. } => scale.bytes(),
+            _ => 1,
+        }
+    }
+    pub fn has_biases(&self) -> bool {
+        matches!(self, GpuFormat::Affine { .. })
+    }
+    pub fn has_global(&self) -> bool {
+        matches!(self, GpuFormat::Nvfp4 { global: true })
+    }
+    /// Stored bytes of one row of `k` elements: (packed weights, scales, biases).
+    pub fn row_bytes(&self, k: usize) -> (usize, usize, usize) {
+        match self {
+            GpuFormat::Float(t) => (k * t.bytes(), 0, 0),
+            _ => {
+                let g = k / self.group() as usize;
+                let s = g * self.scale_bytes();
+                (k * self.bits() as usize / 8, s, if self.has_biases() { s } else { 0 })
+            }
+        }
+    }
+    /// Whether rows of `k` elements are valid for this format.
+    pub fn check_k(&self, k: usize) -> Result<(), String> {
+        let ok = match self {
+            GpuFormat::Float(_) => k > 0,
+            GpuFormat::Affine { bits, group, .. } => {
+                matches!(bits, 1..=6 | 8) && matches!(group, 32 | 64 | 128) && k % *group as usize == 0
+            }
+            _ => k % self.group() as usize == 0 && k > 0,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!("{self:?}: row length {k} not supported"))
+        }
+    }
+    pub fn describe(&self) -> String {
+        match self {
+            GpuFormat::Float(t) => t.name().to_string(),
+            GpuFormat::Affine { bits, group, scale } => format!("affine{bits}g{group}({})", scale.name()),
+            GpuFormat::Mxfp4 => "mxfp4".into(),
+            GpuFormat::Mxfp8 => "mxfp8".into(),
+            GpuFormat::Nvfp4 { global: false } => "nvfp4".into(),
+            GpuFormat::Nvfp4 { global: true } => "nvfp4+global".into(),
+        }
+    }
+}
+
+fn float_type(d: RawDType) -> Option<FloatType> {
+    match d {
+        RawDType::Bf16 => Some(FloatType::Bf16),
+        RawDType::F16 => Some(FloatType::F16),
+        RawDType::F32 => Some(FloatType::F32),
+        _ => None,
+    }
+}
+
+/// The kernel format of a loaded weight (from its description and the stored dtypes).
+pub fn gpu_format(w: &WeightData) -> Result<GpuFormat, String> {
+    match w.param.format {
+        WeightFormat::Float { .. } => float_type(w.weight.dtype)
+            .map(GpuFormat::Float)
+            .ok_or_else(|| format!("{}: float weight stored as {}", w.param.name, w.weight.dtype.name())),
+        WeightFormat::Quantized { spec, global_scale } => Ok(match spec.mode {
+            QuantMode::Affine => {
+                let sd = w.scales.as_ref().ok_or_else(|| format!("{}: no scales", w.param.name))?.dtype;
+                let scale = float_type(sd).ok_or_else(|| format!("{}: scales stored as {}", w.param.name, sd.name()))?;
+                GpuFormat::Affine { bits: spec.bits as u32, group: spec.group_size as u32, scale }
+            }
+            QuantMode::Mxfp4 => GpuFormat::Mxfp4,
+            QuantMode::Mxfp8 => GpuFormat::Mxfp8,
+            QuantMode::Nvfp4 => GpuFormat::Nvfp4 { global: global_scale && w.global_scale.is_some() },
+        }),
+    }
+}
+
+/// Rows `[row_start, row_start + rows)` of a weight, in buffers of their own.
+pub struct WeightChunk {
+    pub row_start: usize,
+    pub rows: usize,
+    pub w: wgpu::Buffer,
+    pub scales: Option<wgpu::Buffer>,
+    pub biases: Option<wgpu::Buffer>,
+}
+
+/// A weight on the GPU.
+pub struct GpuWeight {
+    pub name: String,
+    pub format: GpuFormat,
+    /// Float shape (`[N, K]`, `[E, N, K]`, `[D]`).
+    pub shape: Vec<usize>,
+    /// Row length.
+    pub k: usize,
+    /// Rows in total (`E * N` for expert stacks).
+    pub rows: usize,
+    /// Experts (1 for 2-D weights) and rows per expert.
+    pub experts: usize,
+    pub rows_per_expert: usize,
+    pub chunks: Vec<WeightChunk>,
+    /// nvfp4 per-expert global scale (f32 `[E]`), shared by all chunks.
+    pub global: Option<wgpu::Buffer>,
+}
+
+impl GpuWeight {
+    /// The weight bindings (8 packed, 9 scales, 10 biases, 11 global) of chunk `c`.
+    pub fn bindings(&self, c: usize) -> Vec<(u32, wgpu::BindingResource<'_>)> {
+        let ch = &self.chunks[c];
+        let mut v = vec![(8, ch.w.as_entire_binding())];
+        if let Some(s) = &ch.scales {
+            v.push((9, s.as_entire_binding()));
+        }
+        if let Some(b) = &ch.biases {
+            v.push((10, b.as_entire_binding()));
+        }
+        if let Some(g) = &self.global {
+            v.push((11, g.as_entire_binding()));
+        }
+        v
+    }
+    /// First expert and expert count of chunk `c` (expert stacks).
+    pub fn chunk_experts(&self, c: usize) -> (usize, usize) {
+        let ch = &self.chunks[c];
+        (ch.row_start / self.rows_per_expert, ch.rows / self.rows_per_expert)
+    }
+}
+
+fn slice_bytes(t: &RawTensor, row_bytes: usize, r0: usize, r1: usize) -> &[u8] {
+    &t.bytes[r0 * row_bytes..r1 * row_bytes]
+}
+
+/// Uploads a weight, split into chunks whose buffers each stay within
+/// `max_chunk_bytes` (default: the device's binding limit).
+pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) -> Result<GpuWeight, GpuError> {
+    let name = w.param.name.clone();
+    let err = |msg: String| GpuError::Other(format!("weight {name}: {msg}"));
+    let format = gpu_format(w).map_err(err)?;
+    let shape = w.param.shape.clone();
+    let k = *shape.last().ok_or_else(|| err("empty shape".into()))?;
+    let rows: usize = shape[..shape.len() - 1].iter().product();
+    let (experts, rows_per_expert) = if shape.len() == 3 { (shape[0], shape[1]) } else { (1, rows.max(1)) };
+    let rows = rows.max(1);
+    format.check_k(k).map_err(err)?;
+    let (wb, sb, bb) = format.row_bytes(k);
+    let check = |t: &RawTensor, per_row: usize, what: &str| -> Result<(), GpuError> {
+        if t.bytes.len() != per_row * rows {
+            return Err(err(format!("{what}: {} bytes, expected {} x {per_row}", t.bytes.len(), rows)));
+        }
+        Ok(())
+    };
+    check(&w.weight, wb, "weight")?;
+    if format.is_quantized() {
+        check(w.scales.as_ref().ok_or_else(|| err("missing scales".into()))?, sb, "scales")?;
+    }
+    if format.has_biases() {
+        check(w.biases.as_ref().ok_or_else(|| err("missing biases".into()))?, bb, "biases")?;
+    }
+    let limit = max_chunk_bytes.unwrap_or_else(|| gpu.max_binding_bytes());
+    let per_row = wb.max(sb).max(bb).max(1);
+    let unit = if shape.len() == 3 { rows_per_expert } else { 1 };
+    let units_per_chunk = (limit as usize / (per_row * unit)).min(rows / unit);
+    if units_per_chunk == 0 {
+        return Err(err(format!("one row block of {} bytes exceeds the chunk limit {limit}", per_row * unit)));
+    }
+    let chunk_rows = units_per_chunk * unit;
+    let mut chunks = Vec::new();
+    let mut r0 = 0;
+    while r0 < rows {
+        let r1 = (r0 + chunk_rows).min(rows);
+        let label = format!("{name}[{r0}..{r1}]");
+        let wbuf = gpu.upload(&label, slice_bytes(&w.weight, wb, r0, r1));
+        let scales = if format.is_quantized() {
+            Some(gpu.upload(&format!("{label}.scales"), slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1)))
+        } else {
+            None
+        };
+        let biases = if format.has_biases() {
+            Some(gpu.upload(&format!("{label}.biases"), slice_bytes(w.biases.as_ref().unwrap(), bb, r0, r1)))
+        } else {
+            None
+        };
+        chunks.push(WeightChunk { row_start: r0, rows: r1 - r0, w: wbuf, scales, biases });
+        r0 = r1;
+    }
+    let global = if format.has_global() {
+        let g = w.global_scale.as_ref().unwrap();
+        let v = g.to_f32();
+        Some(gpu.upload_f32(&format!("{name}.global_scale"), &v))
+    } else {
+        None
+    };
+    Ok(GpuWeight { name, format, shape, k, rows, experts, rows_per_expert, chunks, global })
+}
+
+/// A 1-D float weight (norm weight, per-expert scale, ...) uploaded as stored;
+/// returns the buffer and its dtype for the kernels' `*DT` variants.
+pub fn upload_vector(gpu: &Gpu, t: &RawTensor, label: &str) -> Result<(wgpu::Buffer, FloatType), GpuError> {
+    let ft = float_type(t.dtype).ok_or_else(|| GpuError::Other(format!("{label}: {} is not a float tensor", t.dtype.name())))?;
+    Ok((gpu.upload(label, &t.bytes), ft))
+}

@@ -1,0 +1,689 @@
+//! Every WGSL kernel against its CPU lowering (`markbase::cpu::ops`; weights
+//! decoded by `markbase::quant`), on fresh random inputs each run (the seed is
+//! printed; `MARKBASE_TEST_SEED=<n>` replays one). Both the subgroup and the
+//! subgroup-free variants run where the adapter has subgroups.
+//!
+//! Tolerance unless stated: max |gpu - cpu| <= 1e-4 * max|cpu| + 1e-5.
+//! The tests FAIL (never skip) when no adapter is found.
+
+use std::sync::OnceLock;
+
+use markbase::cpu::ops as cpu;
+use markbase::gpu::device::Gpu;
+use markbase::gpu::kernels::*;
+use markbase::gpu::weights::{upload_weight, GpuFormat, GpuWeight};
+use markbase::graph::ir::WeightParam;
+use markbase::graph::ops::{BinaryOp, NormScale, UnaryOp};
+use markbase::graph::quant::{FloatType, QuantMode, QuantSpec, WeightFormat};
+use markbase::weights::{RawDType, RawTensor, WeightData};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+struct Env {
+    gpu: Gpu,
+    /// (label, kernels): subgroup-free always, plus the subgroup variant when available.
+    variants: Vec<(&'static str, Kernels)>,
+}
+
+fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
+        println!("adapter: {}", gpu.info.summary());
+        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, unchecked: false }).unwrap())];
+        if gpu.info.subgroups {
+            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, unchecked: false }).unwrap()));
+        } else {
+            println!("adapter has no subgroups: only the subgroup-free path runs");
+        }
+        Env { gpu, variants }
+    })
+}
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("MARKBASE_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    println!("{test}: seed {seed} (MARKBASE_TEST_SEED={seed} replays it)");
+    StdRng::seed_from_u64(seed)
+}
+
+fn randn(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| r.gen_range(-amp..amp)).collect()
+}
+
+/// Encodes `f` into one compute pass, submits, waits.
+fn run(gpu: &Gpu, f: impl FnOnce(&mut wgpu::ComputePass<'_>)) {
+    let mut enc = gpu.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        f(&mut pass);
+    }
+    gpu.queue.submit([enc.finish()]);
+    gpu.wait().unwrap();
+}
+
+fn check_tol(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let mut worst = (0usize, 0f32);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let e = (g - w).abs();
+        if e.is_nan() || e > worst.1 {
+            worst = (i, if e.is_nan() { f32::INFINITY } else { e });
+        }
+    }
+    let tol = rel * scale + abs;
+    assert!(
+        worst.1 <= tol,
+        "{what}: max err {} at {} (gpu {} cpu {}), tolerance {tol} (max|ref| {scale})",
+        worst.1,
+        worst.0,
+        got[worst.0],
+        want[worst.0]
+    );
+}
+
+fn check(what: &str, got: &[f32], want: &[f32]) {
+    check_tol(what, got, want, 1e-4, 1e-5);
+}
+
+// ------------------------------------------------------------------ weights
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| ((x.to_bits() + 0x8000) >> 16).to_le_bytes()[..2].to_vec()).collect()
+}
+
+fn float_tensor(t: FloatType, shape: &[usize], v: &[f32]) -> RawTensor {
+    let (dtype, bytes) = match t {
+        FloatType::F32 => (RawDType::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        FloatType::Bf16 => (RawDType::Bf16, bf16_bytes(v)),
+        FloatType::F16 => (RawDType::F16, v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect()),
+    };
+    RawTensor { dtype, shape: shape.to_vec(), bytes }
+}
+
+/// A random weight of float shape `shape` in format `fmt`.
+fn random_weight(r: &mut StdRng, fmt: GpuFormat, shape: &[usize]) -> WeightData {
+    let k = *shape.last().unwrap();
+    let rows: usize = shape[..shape.len() - 1].iter().product();
+    let lead = &shape[..shape.len() - 1];
+    let with_last = |n: usize| {
+        let mut s = lead.to_vec();
+        s.push(n);
+        s
+    };
+    let (format, weight, scales, biases, global_scale) = match fmt {
+        GpuFormat::Float(t) => {
+            let v = randn(r, rows * k, 1.0);
+            (WeightFormat::Float { dtype: t }, float_tensor(t, shape, &v), None, None, None)
+        }
+        _ => {
+            let (mode, bits, group) = match fmt {
+                GpuFormat::Affine { bits, group, .. } => (QuantMode::Affine, bits as usize, group as usize),
+                GpuFormat::Mxfp4 => (QuantMode::Mxfp4, 4, 32),
+                GpuFormat::Mxfp8 => (QuantMode::Mxfp8, 8, 32),
+                GpuFormat::Nvfp4 { .. } => (QuantMode::Nvfp4, 4, 16),
+                GpuFormat::Float(_) => unreachable!(),
+            };
+            let spec = QuantSpec { mode, bits, group_size: group };
+            let wcols = k * bits / 32;
+            let mut words: Vec<u32> = (0..rows * wcols).map(|_| r.gen()).collect();
+            if mode == QuantMode::Mxfp8 {
+                // no NaN codes (0x7f / 0xff)
+                for w in words.iter_mut() {
+                    let mut b = w.to_le_bytes();
+                    for x in b.iter_mut() {
+                        if *x & 0x7f == 0x7f {
+                            *x &= 0xfe;
+                        }
+                    }
+                    *w = u32::from_le_bytes(b);
+                }
+            }
+            let g = k / group;
+            let weight = RawTensor::from_u32(&with_last(wcols), &words);
+            let (scales, biases) = match fmt {
+                GpuFormat::Affine { scale, .. } => {
+                    let s: Vec<f32> = (0..rows * g).map(|_| r.gen_range(0.005..0.1) * if r.gen() { 1.0 } else { -1.0 }).collect();
+                    let b = randn(r, rows * g, 0.5);
+                    (float_tensor(scale, &with_last(g), &s), Some(float_tensor(scale, &with_last(g), &b)))
+                }
+                GpuFormat::Nvfp4 { .. } => {
+                    // positive e4m3 scales from 2^-4 to ~2^1
+                    let s: Vec<u8> = (0..rows * g).map(|_| r.gen_range(0x18u8..0x48)).collect();
+                    (RawTensor { dtype: RawDType::U8, shape: with_last(g), bytes: s }, None)
+                }
+                _ => {
+                    let s: Vec<u8> = (0..rows * g).map(|_| r.gen_range(118u8..132)).collect();
+                    (RawTensor { dtype: RawDType::U8, shape: with_last(g), bytes: s }, None)
+                }
+            };
+            let global = fmt.has_global();
+            let gs = if global {
+                let e = if shape.len() == 3 { shape[0] } else { 1 };
+                let v: Vec<f32> = (0..e).map(|_| r.gen_range(0.5..3.0)).collect();
+                Some(RawTensor::from_f32(&[e], &v))
+            } else {
+                None
+            };
+            (WeightFormat::Quantized { spec, global_scale: global }, weight, Some(scales), biases, gs)
+        }
+    };
+    WeightData {
+        param: WeightParam { name: format!("w.{}", fmt.describe()), shape: shape.to_vec(), format, module: true },
+        weight,
+        scales,
+        biases,
+        global_scale,
+    }
+}
+
+/// Max chunk bytes giving about `n` chunks of `w` (unit: rows, or experts for 3-D).
+fn chunk_limit(fmt: GpuFormat, shape: &[usize], n: usize) -> u64 {
+    let k = *shape.last().unwrap();
+    let (a, b, c) = fmt.row_bytes(k);
+    let per_row = a.max(b).max(c);
+    let unit = if shape.len() == 3 { shape[1] } else { 1 };
+    let units: usize = shape[..shape.len() - 1].iter().product::<usize>() / unit;
+    (per_row * unit * units.div_ceil(n)) as u64
+}
+
+fn formats_for_tests() -> Vec<GpuFormat> {
+    all_formats()
+}
+
+/// Row length valid for `fmt` and not a multiple of the 64/32-wide tiles where the format allows.
+fn test_k(fmt: GpuFormat) -> usize {
+    match fmt {
+        GpuFormat::Float(_) => 45,
+        GpuFormat::Affine { group: 128, .. } => 384,
+        GpuFormat::Nvfp4 { .. } => 336,
+        _ => 320,
+    }
+}
+
+// ------------------------------------------------------------------ matmul
+
+fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize], nchunks: usize) {
+    let e = env();
+    let gpu = &e.gpu;
+    let wd = random_weight(r, fmt, &[n, k]);
+    let wref = markbase::quant::dequantize(&wd).unwrap();
+    let gw: GpuWeight = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[n, k], nchunks))).unwrap();
+    assert_eq!(gw.chunks.len(), nchunks.min(n), "{}: chunk count", fmt.describe());
+    for &t in ts {
+        let x = randn(r, t * k, 1.0);
+        let mut want = vec![0f32; t * n];
+        cpu::matmul(&x, &wref, k, n, &mut want);
+        let xb = gpu.upload_f32("x", &x);
+        for (label, ks) in &e.variants {
+            let mm = ks.matmul(fmt, k, t, false).unwrap();
+            let y = gpu.storage("y", (t * n * 4) as u64);
+            let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
+            let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+            let bgs: Vec<wgpu::BindGroup> =
+                (0..gw.chunks.len()).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, None, &gw, c)).collect();
+            run(gpu, |pass| {
+                for (c, d) in dims.iter().enumerate() {
+                    mm.dispatch(pass, &bgs[c], d);
+                }
+            });
+            let got = gpu.read_f32(&y, t * n).unwrap();
+            let path = if mm.is_gemv() { "gemv" } else { "gemm" };
+            check(&format!("matmul {} {path} [{label}] N={n} K={k} T={t} chunks={}", fmt.describe(), gw.chunks.len()), &got, &want);
+        }
+    }
+}
+
+#[test]
+fn matmul_every_format_gemv_and_gemm_chunked() {
+    let mut r = rng("matmul");
+    for fmt in formats_for_tests() {
+        let k = test_k(fmt);
+        matmul_case(&mut r, fmt, 37, k, &[1, 3, 17], 3);
+    }
+}
+
+#[test]
+fn matmul_unchunked_larger_tiles() {
+    let mut r = rng("matmul_large");
+    // Several GEMM tiles in both directions, and a GEMV with many row groups.
+    for fmt in [
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 8, group: 32, scale: FloatType::Bf16 },
+        GpuFormat::Float(FloatType::Bf16),
+    ] {
+        let k = if fmt.is_quantized() { 256 } else { 100 };
+        matmul_case(&mut r, fmt, 131, k, &[1, 2, 70], 1);
+    }
+}
+
+#[test]
+fn gather_matmul_decode_and_prefill() {
+    let mut r = rng("gather_matmul");
+    let e = env();
+    let gpu = &e.gpu;
+    let (ne, n, k, s) = (5usize, 37usize, 320usize, 2usize);
+    for fmt in [
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 3, group: 32, scale: FloatType::Bf16 },
+        GpuFormat::Mxfp4,
+        GpuFormat::Nvfp4 { global: true },
+        GpuFormat::Float(FloatType::Bf16),
+    ] {
+        let wd = random_weight(&mut r, fmt, &[ne, n, k]);
+        let wref = markbase::quant::dequantize(&wd).unwrap();
+        let gw = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[ne, n, k], 3))).unwrap();
+        assert_eq!(gw.chunks.len(), 3);
+        for t in [1usize, 3] {
+            for x_bcast in [false, true] {
+                let ids: Vec<u32> = (0..t * s).map(|_| r.gen_range(0..ne as u32)).collect();
+                let x = randn(&mut r, if x_bcast { t * k } else { t * s * k }, 1.0);
+                let mut want = vec![0f32; t * s * n];
+                for p in 0..t * s {
+                    let xr = if x_bcast { &x[(p / s) * k..(p / s + 1) * k] } else { &x[p * k..(p + 1) * k] };
+                    let ex = ids[p] as usize;
+                    cpu::matmul(xr, &wref[ex * n * k..(ex + 1) * n * k], k, n, &mut want[p * n..(p + 1) * n]);
+                }
+                let xb = gpu.upload_f32("x", &x);
+                let idb = gpu.upload_u32("ids", &ids);
+                for (label, ks) in &e.variants {
+                    let mm = ks.matmul(fmt, k, t * s, true).unwrap();
+                    let y = gpu.storage("y", (t * s * n * 4) as u64);
+                    let dims: Vec<MatMulDims> = (0..3).map(|c| MatMulDims::gathered(&gw, c, t, s, x_bcast)).collect();
+                    let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                    let bgs: Vec<wgpu::BindGroup> =
+                        (0..3).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, Some(&idb), &gw, c)).collect();
+                    run(gpu, |pass| {
+                        for (c, d) in dims.iter().enumerate() {
+                            mm.dispatch(pass, &bgs[c], d);
+                        }
+                    });
+                    let got = gpu.read_f32(&y, t * s * n).unwrap();
+                    check(&format!("gather {} [{label}] T={t} S={s} bcast={x_bcast}", fmt.describe()), &got, &want);
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ embedding
+
+#[test]
+fn embedding_gather_chunked_with_clamp() {
+    let mut r = rng("embed");
+    let e = env();
+    let gpu = &e.gpu;
+    let v = 50usize;
+    for fmt in [
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 6, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 3, group: 32, scale: FloatType::F16 },
+        GpuFormat::Mxfp8,
+        GpuFormat::Nvfp4 { global: false },
+        GpuFormat::Float(FloatType::Bf16),
+        GpuFormat::Float(FloatType::F32),
+    ] {
+        let d = test_k(fmt);
+        let wd = random_weight(&mut r, fmt, &[v, d]);
+        let wref = markbase::quant::dequantize(&wd).unwrap();
+        let gw = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[v, d], 3))).unwrap();
+        let t = 9usize;
+        let mut ids: Vec<u32> = (0..t).map(|_| r.gen_range(0..v as u32)).collect();
+        ids[0] = v as u32 - 1;
+        for clamp in [None, Some(40u32)] {
+            if clamp.is_some() {
+                ids[1] = 45; // >= clamp: reads row 0
+            }
+            let scale = r.gen_range(0.5f32..3.0);
+            let mut want = vec![0f32; t * d];
+            for (i, &id) in ids.iter().enumerate() {
+                let row = match clamp {
+                    Some(c) if id >= c => 0,
+                    _ => id as usize,
+                };
+                for j in 0..d {
+                    want[i * d + j] = wref[row * d + j] * scale;
+                }
+            }
+            let idb = gpu.upload_u32("ids", &ids);
+            let out = gpu.storage("out", (t * d * 4) as u64);
+            let ek = e.variants[0].1.embed(fmt).unwrap();
+            let params: Vec<wgpu::Buffer> =
+                (0..gw.chunks.len()).map(|c| gpu.uniform("p", &ek.params(&gw, c, t, scale, clamp))).collect();
+            let bgs: Vec<wgpu::BindGroup> =
+                (0..gw.chunks.len()).map(|c| ek.bind_group(&gpu.device, &params[c], &idb, &out, &gw, c)).collect();
+            run(gpu, |pass| {
+                for bg in &bgs {
+                    ek.dispatch(pass, bg, t, d);
+                }
+            });
+            let got = gpu.read_f32(&out, t * d).unwrap();
+            check_tol(&format!("embed {} clamp={clamp:?}", fmt.describe()), &got, &want, 1e-6, 1e-7);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ norms, rope, kv, attention
+
+#[test]
+fn rms_norm_all_scales() {
+    let mut r = rng("rms_norm");
+    let e = env();
+    let gpu = &e.gpu;
+    let (rows, d) = (5usize, 300usize);
+    let x = randn(&mut r, rows * d, 2.0);
+    let xb = gpu.upload_f32("x", &x);
+    for (scale, wt) in [
+        (NormScale::None, None),
+        (NormScale::W, Some(FloatType::Bf16)),
+        (NormScale::OnePlusW, Some(FloatType::Bf16)),
+        (NormScale::W, Some(FloatType::F32)),
+        (NormScale::OnePlusW, Some(FloatType::F16)),
+    ] {
+        let w = randn(&mut r, d, 1.0);
+        let wt_ = wt.map(|t| float_tensor(t, &[d], &w));
+        let wf = wt_.as_ref().map(|t| t.to_f32());
+        let mut want = vec![0f32; rows * d];
+        cpu::rms_norm(&x, wf.as_deref(), d, 1e-6, scale, &mut want);
+        let wb = wt_.as_ref().map(|t| gpu.upload("w", &t.bytes));
+        for (label, ks) in &e.variants {
+            let k = ks.rms_norm(wt).unwrap();
+            let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
+            let out = gpu.storage("out", (rows * d * 4) as u64);
+            let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref());
+            run(gpu, |pass| k.dispatch(pass, &bg, rows));
+            check(&format!("rms_norm {scale:?} {wt:?} [{label}]"), &gpu.read_f32(&out, rows * d).unwrap(), &want);
+        }
+    }
+}
+
+#[test]
+fn rope_matches_cpu_up_to_32k() {
+    let mut r = rng("rope");
+    let e = env();
+    let gpu = &e.gpu;
+    for (theta, factor, d, pairs) in [(10_000f32, 1f32, 64usize, 32usize), (1_000_000.0, 8.0, 128, 48), (10_000.0, 1.0, 512, 256)] {
+        let (t, heads) = (6usize, 3usize);
+        let mut pos: Vec<u32> = (0..t).map(|_| r.gen_range(0..32768)).collect();
+        pos[0] = 0;
+        pos[1] = 32767;
+        let x = randn(&mut r, t * heads * d, 1.0);
+        let mut want = vec![0f32; x.len()];
+        cpu::rope(&x, &pos, heads, d, theta, factor, pairs, &mut want);
+        let k = e.variants[0].1.rope().unwrap();
+        let p = gpu.uniform("p", &k.params(t, heads, d, theta, factor, pairs));
+        let (xb, pb) = (gpu.upload_f32("x", &x), gpu.upload_u32("pos", &pos));
+        let out = gpu.storage("out", (x.len() * 4) as u64);
+        let bg = k.bind_group(&gpu.device, &p, &xb, &pb, &out);
+        run(gpu, |pass| k.dispatch(pass, &bg, t, heads, d));
+        check_tol(&format!("rope theta={theta} factor={factor} d={d} pairs={pairs}"), &gpu.read_f32(&out, x.len()).unwrap(), &want, 1e-5, 1e-6);
+    }
+}
+
+#[test]
+fn kv_write_ring() {
+    let mut r = rng("kv_write");
+    let e = env();
+    let gpu = &e.gpu;
+    let (t, nkv, d, slots) = (3usize, 2usize, 8usize, 5usize);
+    let row = nkv * d;
+    let base = r.gen_range(0..100u32);
+    let pos: Vec<u32> = (0..t as u32).map(|i| base + i).collect();
+    let x = randn(&mut r, t * row, 1.0);
+    let mut cache = randn(&mut r, slots * row, 1.0);
+    let cb = gpu.upload_f32("cache", &cache);
+    cpu::kv_write(&x, &pos, row, &mut cache);
+    let k = e.variants[0].1.kv_write().unwrap();
+    let p = gpu.uniform("p", &k.params(t, row, slots));
+    let (xb, pb) = (gpu.upload_f32("x", &x), gpu.upload_u32("pos", &pos));
+    let bg = k.bind_group(&gpu.device, &p, &xb, &pb, &cb);
+    run(gpu, |pass| k.dispatch(pass, &bg, t, row));
+    assert_eq!(gpu.read_f32(&cb, slots * row).unwrap(), cache);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slots: usize, window: Option<usize>, pos0: u32, nsplit: usize) {
+    let e = env();
+    let gpu = &e.gpu;
+    let pos: Vec<u32> = (0..t as u32).map(|i| pos0 + i).collect();
+    let q = randn(r, t * nq * d, 1.0);
+    let kc = randn(r, slots * nkv * d, 1.0);
+    let vc = randn(r, slots * nkv * d, 1.0);
+    let scale = 1.0 / (d as f32).sqrt() * 2.0;
+    let mut want = vec![0f32; q.len()];
+    cpu::attention(&q, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
+    let (qb, pb, kb, vb) = (gpu.upload_f32("q", &q), gpu.upload_u32("pos", &pos), gpu.upload_f32("k", &kc), gpu.upload_f32("v", &vc));
+    for (label, ks) in &e.variants {
+        let k = ks.attention(d, nsplit).unwrap();
+        let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
+        let out = gpu.storage("out", (q.len() * 4) as u64);
+        let part = gpu.storage("part", k.partials_bytes(t, nq, d));
+        let bg = k.bind_groups(&gpu.device, &p, &qb, &pb, &kb, &vb, &out, Some(&part));
+        run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
+        check(
+            &format!("attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit}"),
+            &gpu.read_f32(&out, q.len()).unwrap(),
+            &want,
+        );
+    }
+}
+
+#[test]
+fn attention_decode_prefill_window_split() {
+    let mut r = rng("attention");
+    // decode, causal, more keys than one tile
+    attention_case(&mut r, 1, 4, 2, 64, 300, None, 290, 1);
+    // decode, sliding window over a wrapped ring
+    attention_case(&mut r, 1, 4, 1, 48, 64, Some(40), 1000, 1);
+    // decode, split over workgroups, head dim 256
+    attention_case(&mut r, 1, 2, 2, 256, 400, None, 399, 3);
+    // decode, more splits than keys (empty splits)
+    attention_case(&mut r, 1, 2, 1, 16, 8, None, 2, 5);
+    // prefill, causal from 0, GQA 3:1, head dim 512
+    attention_case(&mut r, 5, 3, 1, 512, 16, None, 0, 1);
+    // prefill continuing at position 37 with a window of 20
+    attention_case(&mut r, 7, 2, 2, 32, 64, Some(20), 37, 1);
+}
+
+// ------------------------------------------------------------------ elementwise
+
+#[test]
+fn elementwise_geglu_binary_unary() {
+    let mut r = rng("elementwise");
+    let e = env();
+    let gpu = &e.gpu;
+    let ks = &e.variants[0].1;
+    let n = 3 * 257;
+    let mut a = randn(&mut r, n, 4.0);
+    a[0] = 80.0; // tanh argument clamp
+    a[1] = -80.0;
+    let b = randn(&mut r, n, 2.0);
+    let (ab, bb) = (gpu.upload_f32("a", &a), gpu.upload_f32("b", &b));
+    let out = gpu.storage("out", (n * 4) as u64);
+
+    // GeGLU
+    let k = ks.geglu().unwrap();
+    let p = gpu.uniform("p", &ElementwiseParams::geglu(n));
+    let bg = k.bind_group(&gpu.device, &p, &ab, &out, Some(&bb));
+    run(gpu, |pass| k.dispatch(pass, &bg, n));
+    let mut want = vec![0f32; n];
+    cpu::geglu(&a, &b, &mut want);
+    check("geglu", &gpu.read_f32(&out, n).unwrap(), &want);
+
+    // Binary with broadcast: b over the last dim (257), and a single element; f32 and bf16 b
+    for f in [BinaryOp::Add, BinaryOp::Mul] {
+        for nb in [257usize, 1] {
+            for bt in [FloatType::F32, FloatType::Bf16] {
+                let bv = randn(&mut r, nb, 2.0);
+                let braw = float_tensor(bt, &[nb], &bv);
+                let bvals = braw.to_f32();
+                let bbuf = gpu.upload("b", &braw.bytes);
+                let k = ks.binary(bt).unwrap();
+                let p = gpu.uniform("p", &ElementwiseParams::binary(f, n, nb));
+                let bg = k.bind_group(&gpu.device, &p, &ab, &out, Some(&bbuf));
+                run(gpu, |pass| k.dispatch(pass, &bg, n));
+                let mut want = vec![0f32; n];
+                cpu::binary(f, &a, &bvals, &mut want);
+                check(&format!("binary {f:?} nb={nb} {bt:?}"), &gpu.read_f32(&out, n).unwrap(), &want);
+            }
+        }
+    }
+
+    // Unary
+    for f in [UnaryOp::Scale { factor: 0.37 }, UnaryOp::Gelu, UnaryOp::Softcap { cap: 3.0 }, UnaryOp::Tanh] {
+        let k = ks.unary().unwrap();
+        let p = gpu.uniform("p", &ElementwiseParams::unary(f, n));
+        let bg = k.bind_group(&gpu.device, &p, &ab, &out, None);
+        run(gpu, |pass| k.dispatch(pass, &bg, n));
+        let mut want = vec![0f32; n];
+        cpu::unary(f, &a, &mut want);
+        check(&format!("unary {f:?}"), &gpu.read_f32(&out, n).unwrap(), &want);
+    }
+}
+
+// ------------------------------------------------------------------ routing
+
+#[test]
+fn top_k_softmax_weighted_sum() {
+    let mut r = rng("routing");
+    let e = env();
+    let gpu = &e.gpu;
+    let ks = &e.variants[0].1;
+    let (t, ne, k) = (4usize, 37usize, 5usize);
+    let mut logits = randn(&mut r, t * ne, 3.0);
+    // ties: equal values must come out lower index first
+    logits[3] = 2.5;
+    logits[9] = 2.5;
+    logits[20] = 2.5;
+    logits[ne + 1] = -0.0;
+    logits[ne + 2] = 0.0;
+    let lb = gpu.upload_f32("logits", &logits);
+
+    let tk = ks.top_k().unwrap();
+    let p = gpu.uniform("p", &tk.params(t, ne, k));
+    let idb = gpu.storage("ids", (t * k * 4) as u64);
+    let bg = tk.bind_group(&gpu.device, &[(0, &p), (1, &lb), (2, &idb)]);
+    run(gpu, |pass| tk.dispatch(pass, &bg, t * ne));
+    let mut want_ids = vec![0u32; t * k];
+    cpu::top_k(&logits, ne, k, &mut want_ids);
+    let ids = gpu.read_u32(&idb, t * k).unwrap();
+    assert_eq!(ids, want_ids, "top_k");
+
+    for st in [None, Some(FloatType::Bf16), Some(FloatType::F32)] {
+        let sv = randn(&mut r, ne, 2.0);
+        let sraw = st.map(|s| float_tensor(s, &[ne], &sv));
+        let svals = sraw.as_ref().map(|s| s.to_f32());
+        let sbuf = sraw.as_ref().map(|s| gpu.upload("scale", &s.bytes));
+        let ts = ks.top_k_softmax(st).unwrap();
+        let p = gpu.uniform("p", &ts.params(t, ne, k));
+        let out = gpu.storage("w", (t * k * 4) as u64);
+        let mut bufs = vec![(0, &p), (1, &lb), (2, &idb), (3, &out)];
+        if let Some(s) = &sbuf {
+            bufs.push((4, s));
+        }
+        let bg = ts.bind_group(&gpu.device, &bufs);
+        run(gpu, |pass| ts.dispatch(pass, &bg, t));
+        let mut want = vec![0f32; t * k];
+        cpu::top_k_softmax(&logits, ne, &want_ids, k, svals.as_deref(), &mut want);
+        check(&format!("top_k_softmax scale={st:?}"), &gpu.read_f32(&out, t * k).unwrap(), &want);
+    }
+
+    let (s, d) = (4usize, 37usize);
+    let x = randn(&mut r, t * s * d, 1.0);
+    let w = randn(&mut r, t * s, 1.0);
+    let ws = ks.weighted_sum().unwrap();
+    let p = gpu.uniform("p", &ws.params(t, s, d));
+    let (xb, wb) = (gpu.upload_f32("x", &x), gpu.upload_f32("w", &w));
+    let out = gpu.storage("out", (t * d * 4) as u64);
+    let bg = ws.bind_group(&gpu.device, &[(0, &p), (1, &xb), (2, &wb), (3, &out)]);
+    run(gpu, |pass| ws.dispatch(pass, &bg, t * d));
+    let mut want = vec![0f32; t * d];
+    cpu::weighted_sum(&x, &w, s, d, &mut want);
+    check("weighted_sum", &gpu.read_f32(&out, t * d).unwrap(), &want);
+}
+
+// ------------------------------------------------------------------ copy, argmax
+
+#[test]
+fn slice_and_concat() {
+    let mut r = rng("copy");
+    let e = env();
+    let gpu = &e.gpu;
+    let ck = e.variants[0].1.copy().unwrap();
+    let shape = [3usize, 7, 5];
+    let x = randn(&mut r, 105, 1.0);
+    let xb = gpu.upload_f32("x", &x);
+    for axis in 0..3 {
+        let start = 1;
+        let len = shape[axis] - 2;
+        let cp = CopyParams::slice(&shape, axis, start, len);
+        let n = cp.elements();
+        let p = gpu.uniform("p", &cp);
+        let out = gpu.storage("out", (n * 4) as u64);
+        let bg = ck.bind_group(&gpu.device, &p, &xb, &out);
+        run(gpu, |pass| ck.dispatch(pass, &bg, &cp));
+        let mut want = vec![0f32; n];
+        cpu::slice(&x, &shape, axis, start, len, &mut want);
+        assert_eq!(gpu.read_f32(&out, n).unwrap(), want, "slice axis {axis}");
+    }
+    // concat of [3,2,5] and [3,4,5] (the first part of x reshaped) along axis 1
+    let a = randn(&mut r, 30, 1.0);
+    let b = randn(&mut r, 60, 1.0);
+    let out_shape = [3usize, 6, 5];
+    let (ab, bb) = (gpu.upload_f32("a", &a), gpu.upload_f32("b", &b));
+    let out = gpu.storage("out", 90 * 4);
+    let pa = CopyParams::concat_part(&out_shape, 1, 0, 2);
+    let pb = CopyParams::concat_part(&out_shape, 1, 2, 4);
+    let (ua, ub) = (gpu.uniform("pa", &pa), gpu.uniform("pb", &pb));
+    let (ga, gb) = (ck.bind_group(&gpu.device, &ua, &ab, &out), ck.bind_group(&gpu.device, &ub, &bb, &out));
+    run(gpu, |pass| {
+        ck.dispatch(pass, &ga, &pa);
+        ck.dispatch(pass, &gb, &pb);
+    });
+    let mut want = vec![0f32; 90];
+    cpu::concat(&[(&a, 2), (&b, 4)], &out_shape, 1, &mut want);
+    assert_eq!(gpu.read_f32(&out, 90).unwrap(), want, "concat");
+}
+
+#[test]
+fn argmax_large_vocab() {
+    let mut r = rng("argmax");
+    let e = env();
+    let gpu = &e.gpu;
+    let ak = e.variants[0].1.argmax().unwrap();
+    for (t, v) in [(2usize, 262_144usize), (1, 37), (3, 100_003)] {
+        let mut l = randn(&mut r, t * v, 10.0);
+        // a tie for the max in the last row: the lower index wins
+        let i1 = r.gen_range(0..v / 2);
+        let i2 = r.gen_range(v / 2..v);
+        l[(t - 1) * v + i1] = 50.0;
+        l[(t - 1) * v + i2] = 50.0;
+        let want = cpu::argmax(&l[(t - 1) * v..]);
+        assert_eq!(want as usize, i1);
+        let lb = gpu.upload_f32("l", &l);
+        let p = gpu.uniform("p", &ArgmaxParams::last_row(t, v));
+        let out = gpu.storage("out", 4);
+        let bg = ak.bind_group(&gpu.device, &p, &lb, &out);
+        run(gpu, |pass| ak.dispatch(pass, &bg));
+        assert_eq!(gpu.read_u32(&out, 1).unwrap()[0], want, "argmax T={t} V={v}");
+    }
+}
+
+// ------------------------------------------------------------------ device
+
+#[test]
+fn adapter_info_and_backend_parsing() {
+    use markbase::gpu::device::Backend;
+    let e = env();
+    assert!(!e.gpu.info.name.is_empty());
+    assert!(e.gpu.info.limits.max_storage_buffer_binding_size >= 128 << 20);
+    for (s, b) in [("vulkan", Backend::Vulkan), ("VK", Backend::Vulkan), ("metal", Backend::Metal), ("dx12", Backend::Dx12), ("gl", Backend::Gl)] {
+        assert_eq!(s.parse::<Backend>().unwrap(), b);
+    }
+    assert!("cuda".parse::<Backend>().is_err());
+    // readback of an odd-sized upload (padded to 4 bytes)
+    let b = e.gpu.upload("odd", &[1, 2, 3, 4, 5]);
+    assert_eq!(e.gpu.readback(&b, 5).unwrap(), vec![1, 2, 3, 4, 5]);
+}

@@ -1,0 +1,106 @@
+// Shared helpers: invocation ids kept in private vars, workgroup reductions
+// (subgroup path and shared-memory tree path), float decoding.
+//
+// Needs from the prelude: const WG (workgroup size, a power of two).
+// Flag SUBGROUP selects the subgroup path; every kernel entry point calls
+// `init_ids(...)` first.
+
+var<private> g_lid: u32;
+var<private> g_sg_lane: u32;
+var<private> g_sg_id: u32;
+var<private> g_sg_n: u32;
+
+// One f32 per invocation (tree path), or per subgroup (subgroup path).
+var<workgroup> red_f: array<f32, WG>;
+
+const NEG_BIG: f32 = -3.0e38;
+
+fn init_ids(lid: u32, sg_lane: u32, sg_id: u32, sg_n: u32) {
+    g_lid = lid;
+    g_sg_lane = sg_lane;
+    g_sg_id = sg_id;
+    g_sg_n = sg_n;
+}
+
+// Sum of `v` over the workgroup, returned to every invocation. Call from uniform control flow.
+fn wg_sum(v: f32) -> f32 {
+//#if SUBGROUP
+    let s = subgroupAdd(v);
+    if g_sg_lane == 0u {
+        red_f[g_sg_id] = s;
+    }
+    workgroupBarrier();
+    var t = 0.0;
+    for (var i = 0u; i < g_sg_n; i++) {
+        t += red_f[i];
+    }
+    workgroupBarrier();
+    return t;
+//#else
+    red_f[g_lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if g_lid < s {
+            red_f[g_lid] += red_f[g_lid + s];
+        }
+        workgroupBarrier();
+    }
+    let t = red_f[0];
+    workgroupBarrier();
+    return t;
+//#endif
+}
+
+// Max of `v` over the workgroup, returned to every invocation. Call from uniform control flow.
+fn wg_max(v: f32) -> f32 {
+//#if SUBGROUP
+    let s = subgroupMax(v);
+    if g_sg_lane == 0u {
+        red_f[g_sg_id] = s;
+    }
+    workgroupBarrier();
+    var t = NEG_BIG;
+    for (var i = 0u; i < g_sg_n; i++) {
+        t = max(t, red_f[i]);
+    }
+    workgroupBarrier();
+    return t;
+//#else
+    red_f[g_lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if g_lid < s {
+            red_f[g_lid] = max(red_f[g_lid], red_f[g_lid + s]);
+        }
+        workgroupBarrier();
+    }
+    let t = red_f[0];
+    workgroupBarrier();
+    return t;
+//#endif
+}
+
+// IEEE half (low 16 bits of h) -> f32, with integer ops only (unpack2x16float needs
+// a capability some GL adapters lack).
+fn f16_bits_to_f32(h: u32) -> f32 {
+    let s = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1fu;
+    let m = h & 0x3ffu;
+    if e == 0u {
+        return bitcast<f32>(s | bitcast<u32>(f32(m) * 5.9604644775390625e-8));
+    }
+    if e == 31u {
+        return bitcast<f32>(s | 0x7f800000u | (m << 13u));
+    }
+    return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
+}
+
+// Element `i` (i's parity picks the half) of a word holding two 16-bit floats;
+// dt: 0 = bf16, 1 = f16.
+fn f16x2_pick(word: u32, i: u32, dt: u32) -> f32 {
+    let h = select(word & 0xffffu, word >> 16u, (i & 1u) == 1u);
+    if dt == 0u {
+        return bitcast<f32>(h << 16u);
+    }
+    return f16_bits_to_f32(h);
+}

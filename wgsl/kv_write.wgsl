@@ -1,0 +1,30 @@
+// KV cache write: cache[pos[t] % S, :] = x[t, :] (rows of nkv * D floats).
+//
+// Prelude consts: WG. Bindings: 0 params, 1 x, 2 pos, 3 cache.
+
+struct Params {
+    T: u32,
+    row: u32,
+    S: u32,
+    _p0: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> pos: array<u32>;
+@group(0) @binding(3) var<storage, read_write> cache: array<f32>;
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let total = p.T * p.row;
+    let stride = nwg.x * WG;
+    for (var idx = gid.x + gid.y * stride; idx < total; idx += stride * nwg.y) {
+        let t = idx / p.row;
+        let j = idx % p.row;
+        let slot = pos[t] % p.S;
+        cache[slot * p.row + j] = x[idx];
+    }
+}

@@ -1,0 +1,69 @@
+// RMSNorm over rows of length D: out = x / sqrt(mean(x^2) + eps) * s, with
+// s = w (mode 1), 1 + w (mode 2) or 1 (mode 0). One workgroup per row.
+//
+// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32). Flags: SUBGROUP, HAS_W.
+// Bindings: 0 params, 1 x, 2 out, 3 w (HAS_W; u32 words of NDT values).
+
+struct Params {
+    rows: u32,
+    D: u32,
+    eps: f32,
+    mode: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+//#if HAS_W
+@group(0) @binding(3) var<storage, read> nw: array<u32>;
+//#endif
+
+fn norm_scale(i: u32) -> f32 {
+//#if HAS_W
+    var w: f32;
+    if NDT == 2u {
+        w = bitcast<f32>(nw[i]);
+    } else {
+        w = f16x2_pick(nw[i >> 1u], i, NDT);
+    }
+    if p.mode == 2u {
+        return 1.0 + w;
+    }
+    if p.mode == 1u {
+        return w;
+    }
+//#endif
+    return 1.0;
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+//#if SUBGROUP
+    @builtin(subgroup_invocation_id) sgl: u32,
+    @builtin(subgroup_id) sgi: u32,
+    @builtin(num_subgroups) sgn: u32,
+//#endif
+) {
+//#if SUBGROUP
+    init_ids(lid, sgl, sgi, sgn);
+//#else
+    init_ids(lid, 0u, 0u, 1u);
+//#endif
+    let D = p.D;
+    for (var row = wid.y * nwg.x + wid.x; row < p.rows; row += nwg.x * nwg.y) {
+        let b = row * D;
+        var ss = 0.0;
+        for (var i = lid; i < D; i += WG) {
+            let v = x[b + i];
+            ss = fma(v, v, ss);
+        }
+        let tot = wg_sum(ss);
+        let r = 1.0 / sqrt(tot / f32(D) + p.eps);
+        for (var i = lid; i < D; i += WG) {
+            out[b + i] = x[b + i] * r * norm_scale(i);
+        }
+    }
+}
