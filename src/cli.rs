@@ -193,3 +193,43 @@ pub fn inspect(dir: &Path, json: bool) -> (String, bool) {
     let s = if json { serde_json::to_string_pretty(&r.to_json()).unwrap_or_default() + "\n" } else { r.to_string() };
     (s, r.ok())
 }
+
+/// `markbase bench`.
+#[allow(clippy::too_many_arguments)]
+pub fn bench(
+    model: Option<&Path>,
+    synthetic: Option<&str>,
+    backend: Option<&str>,
+    prompt: usize,
+    gen: usize,
+    runs: usize,
+    bandwidth: f64,
+    profile: bool,
+    json: bool,
+) -> Result<String, String> {
+    use crate::bench;
+    let (name, cfg, weights) = bench::source(model, synthetic)?;
+    let devices: Vec<DeviceKind> = match backend {
+        Some("all") => {
+            let mut v: Vec<DeviceKind> = crate::gpu::device::Backend::ALL
+                .iter()
+                .filter(|b| crate::gpu::device::Gpu::with_options(&crate::gpu::device::GpuOptions { backend: Some(**b), ..Default::default() }).is_ok())
+                .map(|b| DeviceKind::Gpu(Some(*b)))
+                .collect();
+            v.push(DeviceKind::Cpu);
+            v
+        }
+        b => vec![parse_device(b)?],
+    };
+    let o = bench::BenchOptions { prompt, gen, runs, bandwidth, profile };
+    let mut rows = vec![];
+    for d in devices {
+        let r = bench::bench_one(&name, &cfg, weights.clone(), d, &o)
+            .unwrap_or_else(|e| serde_json::json!({"model": name, "device": format!("{d:?}"), "error": e}));
+        if !json {
+            eprintln!("{}", serde_json::to_string(&r).unwrap_or_default());
+        }
+        rows.push(r);
+    }
+    Ok(if json { serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n" } else { bench::table(&rows) })
+}

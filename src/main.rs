@@ -119,6 +119,34 @@ enum Cmd {
         #[command(flatten)]
         sample: SampleArgs,
     },
+    /// Benchmark prefill and decode on one or every backend.
+    Bench {
+        /// Model directory (MLX checkpoint).
+        #[arg(short = 'm', long = "model")]
+        model: Option<PathBuf>,
+        /// A synthetic model in real shapes with random 4-bit weights (gemma3-270m, gemma3-1b,
+        /// gemma3-12b, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b).
+        #[arg(long)]
+        synthetic: Option<String>,
+        #[arg(long, default_value_t = 512)]
+        prompt: usize,
+        #[arg(long, default_value_t = 128)]
+        gen: usize,
+        /// Timed runs (median reported).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// vulkan | metal | dx12 | gl | cpu | all.
+        #[arg(long)]
+        backend: Option<String>,
+        /// Bandwidth to report the fraction of, in bytes/s.
+        #[arg(long, default_value_t = 4.3e12)]
+        bandwidth: f64,
+        /// Also a per-op GPU profile of one decode step.
+        #[arg(long)]
+        profile: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the f32 logits of every position of a token sequence as .npy.
     Logits {
         #[command(flatten)]
@@ -170,6 +198,10 @@ fn main() -> ExitCode {
             load(&run).and_then(|mut m| cli::generate(&mut m, &prompt, chat, &sample.options()))
         }
         Cmd::Chat { run, sample } => load(&run).and_then(|mut m| cli::chat(&mut m, &sample.options())),
+        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json } => {
+            cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), prompt, gen, runs, bandwidth, profile, json)
+                .map(|s| out(&s))
+        }
         Cmd::Logits { run, tokens, out: path } => cli::parse_tokens(&tokens)
             .and_then(|t| load(&run).and_then(|mut m| cli::logits(&mut m, &t, &path)))
             .map(|s| eprintln!("{s}")),

@@ -83,6 +83,10 @@ pub trait Executor {
     fn reset(&mut self);
     /// Short description of the device.
     fn describe(&self) -> String;
+    /// The GPU executor behind this one, if any (counters, profiling).
+    fn as_gpu(&mut self) -> Option<&mut crate::gpu::runtime::GpuExecutor> {
+        None
+    }
 }
 
 /// The CPU reference executor behind [`Executor`].
@@ -208,6 +212,23 @@ impl Model {
 
     pub fn device(&self) -> String {
         self.exec.describe()
+    }
+
+    /// Counters of the last GPU step (submits, dispatches, encode time).
+    pub fn gpu_stats(&mut self) -> Option<crate::gpu::runtime::StepStats> {
+        self.exec.as_gpu().map(|g| g.last)
+    }
+
+    /// Sets timestamp profiling of the following GPU steps.
+    pub fn set_profile(&mut self, p: crate::gpu::runtime::Profile) {
+        if let Some(g) = self.exec.as_gpu() {
+            g.profile = p;
+        }
+    }
+
+    /// GPU times of the last profiled step.
+    pub fn gpu_profile(&mut self) -> Option<crate::gpu::runtime::ProfileResult> {
+        self.exec.as_gpu().map(|g| g.profiled.clone())
     }
 
     /// Tokens in the current sequence.

@@ -49,6 +49,34 @@ struct Prepared {
     token_staging: wgpu::Buffer,
     logits_staging: wgpu::Buffer,
     logits_bytes: u64,
+    queries: Option<(Profile, Queries)>,
+}
+
+/// Timestamp profiling of steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Profile {
+    #[default]
+    Off,
+    /// GPU time of each phase (timestamps at pass boundaries).
+    Phases,
+    /// GPU time of each dispatch (timestamps inside passes, where the adapter has them).
+    Kernels,
+}
+
+/// GPU times of the last profiled step.
+#[derive(Clone, Debug, Default)]
+pub struct ProfileResult {
+    /// Seconds per phase.
+    pub phases: Vec<f64>,
+    /// (node index, seconds) per dispatch, in execution order (Kernels level).
+    pub dispatches: Vec<(NodeIndex, f64)>,
+}
+
+struct Queries {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    staging: wgpu::Buffer,
+    count: u32,
 }
 
 /// Counters of the last step (for tests and benchmarks).
@@ -70,6 +98,10 @@ pub struct GpuExecutor {
     states: HashMap<StateKind, wgpu::Buffer>,
     prepared: HashMap<GraphKey, Prepared>,
     check_nan: bool,
+    /// Profiling of the following steps.
+    pub profile: Profile,
+    /// GPU times of the last profiled step.
+    pub profiled: ProfileResult,
     /// Counters of the last step.
     pub last: StepStats,
     /// Submissions since creation.
@@ -108,6 +140,8 @@ impl GpuExecutor {
             states: HashMap::new(),
             prepared: HashMap::new(),
             check_nan,
+            profile: Profile::Off,
+            profiled: ProfileResult::default(),
             last: StepStats::default(),
             total_submits: 0,
         })
@@ -388,7 +422,33 @@ impl GpuExecutor {
             token_staging,
             logits_staging,
             logits_bytes,
+            queries: None,
         })
+    }
+
+    fn make_queries(&self, p: &Prepared, level: Profile) -> Option<Queries> {
+        let count = match level {
+            Profile::Off => return None,
+            Profile::Phases if self.gpu.info.timestamps => 2 * p.phases.len(),
+            Profile::Kernels if self.gpu.info.timestamps_inside_passes => p.phases.iter().map(|ph| ph.len() + 1).sum(),
+            _ => return None,
+        }
+        .min(4096) as u32;
+        let set = self.gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: Some("timestamps"), ty: wgpu::QueryType::Timestamp, count });
+        let bytes = count as u64 * 8;
+        let resolve = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("timestamps"),
+            size: bytes,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let staging = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("timestamps staging"),
+            size: bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Some(Queries { set, resolve, staging, count })
     }
 
     /// Maps a staging buffer after the queue drained and copies its bytes out.
@@ -458,8 +518,14 @@ impl Executor for GpuExecutor {
             let p = self.prepare(c)?;
             self.prepared.insert(key, p);
         }
+        let level = if self.check_nan { Profile::Off } else { self.profile };
+        if self.prepared[&key].queries.as_ref().map(|q| q.0) != Some(level) && level != Profile::Off {
+            let q = self.make_queries(&self.prepared[&key], level);
+            self.prepared.get_mut(&key).unwrap().queries = q.map(|q| (level, q));
+        }
         let t0 = std::time::Instant::now();
         let p = &self.prepared[&key];
+        let queries = if level == Profile::Off { None } else { p.queries.as_ref().map(|q| &q.1) };
         let q = &self.gpu.queue;
         for (kind, b) in &p.inputs {
             match kind {
@@ -488,16 +554,38 @@ impl Executor for GpuExecutor {
             q.submit([enc.finish()]);
         } else {
             let last = p.phases.len() - 1;
+            let mut qi = 0u32;
             for (pi, ph) in p.phases.iter().enumerate() {
                 let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("phase") });
                 {
-                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("phase"), timestamp_writes: None });
+                    let tw = match (level, queries) {
+                        (Profile::Phases, Some(q)) => Some(wgpu::ComputePassTimestampWrites {
+                            query_set: &q.set,
+                            beginning_of_pass_write_index: Some(2 * pi as u32),
+                            end_of_pass_write_index: Some(2 * pi as u32 + 1),
+                        }),
+                        _ => None,
+                    };
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("phase"), timestamp_writes: tw });
+                    let per_kernel = level == Profile::Kernels && queries.is_some();
+                    if per_kernel && qi < queries.unwrap().count {
+                        pass.write_timestamp(&queries.unwrap().set, qi);
+                        qi += 1;
+                    }
                     for d in ph {
                         d.kernel.dispatch(&mut pass, &d.bind, d.groups);
+                        if per_kernel && qi < queries.unwrap().count {
+                            pass.write_timestamp(&queries.unwrap().set, qi);
+                            qi += 1;
+                        }
                     }
                 }
                 stats.dispatches += ph.len();
                 if pi == last {
+                    if let Some(q) = queries {
+                        enc.resolve_query_set(&q.set, 0..q.count, &q.resolve, 0);
+                        enc.copy_buffer_to_buffer(&q.resolve, 0, &q.staging, 0, q.count as u64 * 8);
+                    }
                     enc.copy_buffer_to_buffer(&token_buf, 0, &p.token_staging, 0, 4);
                     if want_logits {
                         enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
@@ -516,6 +604,32 @@ impl Executor for GpuExecutor {
         } else {
             None
         };
+        if let Some(q) = queries {
+            let b = self.read_staging(&q.staging, q.count as u64 * 8)?;
+            let ts: Vec<u64> = b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+            let period = self.gpu.queue.get_timestamp_period() as f64 * 1e-9;
+            let dt = |a: u64, b: u64| b.saturating_sub(a) as f64 * period;
+            let mut r = ProfileResult::default();
+            match level {
+                Profile::Phases => r.phases = (0..p.phases.len()).map(|i| dt(ts[2 * i], ts[2 * i + 1])).collect(),
+                Profile::Kernels => {
+                    let mut i = 0;
+                    for ph in &p.phases {
+                        let start = i;
+                        for d in ph {
+                            if i + 1 < ts.len() {
+                                r.dispatches.push((d.node, dt(ts[i], ts[i + 1])));
+                            }
+                            i += 1;
+                        }
+                        r.phases.push(if i < ts.len() { dt(ts[start], ts[i]) } else { 0.0 });
+                        i += 1;
+                    }
+                }
+                Profile::Off => {}
+            }
+            self.profiled = r;
+        }
         self.total_submits += stats.submits;
         self.last = stats;
         Ok(StepOutput { logits, token })
@@ -525,5 +639,9 @@ impl Executor for GpuExecutor {
 
     fn describe(&self) -> String {
         format!("gpu: {}", self.gpu.info.summary())
+    }
+
+    fn as_gpu(&mut self) -> Option<&mut GpuExecutor> {
+        Some(self)
     }
 }

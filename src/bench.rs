@@ -1,0 +1,252 @@
+//! `markbase bench`: prefill and decode speed of one model on one or more
+//! backends, with the bandwidth accounting and a GPU profile by phase and by op.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use markbase_graph::ir::NodeKind;
+use markbase_graph::ops::Op;
+use markbase_graph::passes::Compiled;
+use markbase_graph::quant::QuantSpec;
+use markbase_graph::ModelConfig;
+
+use crate::gpu::runtime::Profile;
+use crate::model::{DeviceKind, GraphKey, Model, ModelOptions};
+use crate::weights::Weights;
+
+/// What to benchmark.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub prompt: usize,
+    pub gen: usize,
+    /// Timed decode runs (after one warm-up run).
+    pub runs: usize,
+    /// Bandwidth (bytes/s) to compare against.
+    pub bandwidth: f64,
+    /// Also profile one decode step per op kind (timestamps inside passes).
+    pub profile: bool,
+}
+
+/// Bytes of weights a decode step reads: every matrix a MatMul multiplies by in
+/// full, expert stacks at `k/E` of their bytes, lookup tables not at all.
+pub fn bytes_per_token(c: &Compiled, weights: &Weights) -> u64 {
+    let g = &c.graph;
+    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+    for n in g.op_nodes() {
+        let op = g.node(n).op().unwrap();
+        for (slot, i) in g.inputs(n).into_iter().enumerate() {
+            let Some(p) = g.node(i).weight() else { continue };
+            let Some(w) = weights.get(&p.name) else { continue };
+            let full = (w.weight.bytes.len()
+                + w.scales.as_ref().map_or(0, |t| t.bytes.len())
+                + w.biases.as_ref().map_or(0, |t| t.bytes.len())) as u64;
+            let b = match op {
+                Op::Embed { .. } => 0,
+                Op::GatherMatMul if slot == 2 => {
+                    let s = g.node(g.inputs(n)[1]).ty.shape[1] as u64;
+                    full * s / p.shape[0] as u64
+                }
+                _ => full,
+            };
+            let e = seen.entry(p.name.clone()).or_insert(0);
+            *e = (*e).max(b);
+        }
+    }
+    seen.values().sum()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Benchmarks one model on one device. Returns a JSON record.
+pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device: DeviceKind, o: &BenchOptions) -> Result<Value, String> {
+    let opts = ModelOptions { device, max_context: o.prompt + o.gen + 8, prefill_chunk: o.prompt.max(1), ..Default::default() };
+    let mut m = Model::from_parts(config.clone(), weights.clone(), None, &opts)?;
+    let dev = m.device();
+    let vocab = config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..o.prompt as u32).map(|i| 2 + (i * 7919) % (vocab - 2)).collect();
+    let bpt = {
+        let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false })?;
+        bytes_per_token(c, &weights)
+    };
+    // Warm-up: build every graph and pipeline once.
+    m.reset();
+    let mut tok = m.forward(&prompt, false, None)?.token;
+    for _ in 0..4.min(o.gen) {
+        tok = m.forward(&[tok], false, None)?.token;
+    }
+    // Prefill.
+    let mut pre = vec![];
+    for _ in 0..o.runs.max(1) {
+        m.reset();
+        let t = std::time::Instant::now();
+        m.forward(&prompt, false, None)?;
+        pre.push(t.elapsed().as_secs_f64());
+    }
+    let prefill_s = median(&mut pre);
+    // Decode.
+    let mut rates = vec![];
+    let mut encode = vec![];
+    let mut stats = None;
+    for _ in 0..o.runs.max(1) {
+        m.reset();
+        let mut tok = m.forward(&prompt, false, None)?.token;
+        let t = std::time::Instant::now();
+        for _ in 0..o.gen {
+            tok = m.forward(&[tok], false, None)?.token;
+            if let Some(s) = m.gpu_stats() {
+                encode.push(s.encode_s);
+                stats = Some(s);
+            }
+        }
+        rates.push(o.gen as f64 / t.elapsed().as_secs_f64());
+    }
+    let mut r2 = rates.clone();
+    let decode = median(&mut r2);
+    let (lo, hi) = (r2.first().cloned().unwrap_or(0.0), r2.last().cloned().unwrap_or(0.0));
+    let achieved = bpt as f64 * decode;
+    let mut rec = json!({
+        "model": name,
+        "device": dev,
+        "prompt": o.prompt,
+        "gen": o.gen,
+        "runs": o.runs,
+        "prefill_tok_s": o.prompt as f64 / prefill_s,
+        "decode_tok_s_median": decode,
+        "decode_tok_s_runs": rates,
+        "decode_tok_s_min": lo,
+        "decode_tok_s_max": hi,
+        "bytes_per_token": bpt,
+        "achieved_GB_s": achieved / 1e9,
+        "bandwidth_GB_s": o.bandwidth / 1e9,
+        "fraction_of_bandwidth": achieved / o.bandwidth,
+        "bound_tok_s": o.bandwidth / bpt.max(1) as f64,
+    });
+    if let Some(s) = stats {
+        rec["dispatches_per_step"] = json!(s.dispatches);
+        rec["submits_per_step"] = json!(s.submits);
+        rec["phases"] = json!(s.phases);
+        rec["cpu_encode_us_median"] = json!(median(&mut encode) * 1e6);
+    }
+    // GPU time per phase, and per op kind.
+    if let DeviceKind::Gpu(_) = device {
+        let key = GraphKey { tokens: 1, all_logits: false, sample: false };
+        m.set_profile(Profile::Phases);
+        m.reset();
+        let mut tok = m.forward(&prompt[..o.prompt.min(16)], false, None)?.token;
+        tok = m.forward(&[tok], false, None)?.token;
+        if let Some(p) = m.gpu_profile() {
+            rec["gpu_ms_per_phase"] = json!(p.phases.iter().map(|s| s * 1e3).collect::<Vec<_>>());
+        }
+        if o.profile {
+            m.set_profile(Profile::Kernels);
+            m.forward(&[tok], false, None)?;
+            if let Some(p) = m.gpu_profile() {
+                let c = m.graph(key)?;
+                let mut by_op: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+                for (n, s) in &p.dispatches {
+                    let node = c.graph.node(*n);
+                    let mut label = node.op().map(|o| o.name().to_string()).unwrap_or_default();
+                    if let Some(w) = c.graph.inputs(*n).iter().find_map(|&i| match &c.graph.node(i).kind {
+                        NodeKind::Weight { weight } if weight.module => Some(weight.format.describe()),
+                        _ => None,
+                    }) {
+                        label = format!("{label} [{w}]");
+                    }
+                    let e = by_op.entry(label).or_insert((0.0, 0));
+                    e.0 += s;
+                    e.1 += 1;
+                }
+                let total: f64 = p.dispatches.iter().map(|d| d.1).sum();
+                rec["gpu_profile_total_ms"] = json!(total * 1e3);
+                rec["gpu_profile_by_op"] = json!(by_op
+                    .iter()
+                    .map(|(k, (s, n))| json!({"op": k, "ms": s * 1e3, "dispatches": n, "share": s / total.max(1e-12)}))
+                    .collect::<Vec<_>>());
+                // The matmuls' own bandwidth.
+                let mut mm_bytes = 0u64;
+                let mut mm_s = 0.0;
+                for (n, s) in &p.dispatches {
+                    if matches!(c.graph.node(*n).op(), Some(Op::MatMul)) {
+                        mm_s += s;
+                    }
+                    let _ = n;
+                }
+                for n in c.graph.op_nodes() {
+                    if matches!(c.graph.node(n).op(), Some(Op::MatMul)) {
+                        let w = c.graph.inputs(n)[1];
+                        if let Some(p) = c.graph.node(w).weight() {
+                            if let Some(wd) = weights.get(&p.name) {
+                                mm_bytes += (wd.weight.bytes.len()
+                                    + wd.scales.as_ref().map_or(0, |t| t.bytes.len())
+                                    + wd.biases.as_ref().map_or(0, |t| t.bytes.len())) as u64;
+                            }
+                        }
+                    }
+                }
+                rec["matmul_GB_s"] = json!(mm_bytes as f64 / mm_s.max(1e-12) / 1e9);
+            }
+        }
+        m.set_profile(Profile::Off);
+    }
+    Ok(rec)
+}
+
+/// Loads what `bench` runs: a checkpoint directory or a synthetic shape.
+pub fn source(model: Option<&std::path::Path>, synthetic: Option<&str>) -> Result<(String, ModelConfig, Arc<Weights>), String> {
+    match (model, synthetic) {
+        (Some(dir), None) => {
+            let ck = crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?;
+            let g = ck.build(markbase_graph::BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
+            let (w, _) = ck.load_weights(&g).map_err(|e| e.to_string())?;
+            Ok((dir.display().to_string(), ck.config().clone(), Arc::new(w)))
+        }
+        (None, Some(name)) => {
+            let t = std::time::Instant::now();
+            let (cfg, w) = crate::synthetic::model(name, QuantSpec::affine(4, 64))?;
+            eprintln!("synthetic {name}: {:.2} GB of weights generated in {:.1}s", w.stored_bytes() as f64 / 1e9, t.elapsed().as_secs_f64());
+            Ok((format!("synthetic:{name}"), cfg, Arc::new(w)))
+        }
+        _ => Err("give exactly one of -m DIR or --synthetic NAME".into()),
+    }
+}
+
+/// One table row per record.
+pub fn table(rows: &[Value]) -> String {
+    let mut s = String::from(
+        "| model | device | prefill tok/s | decode tok/s (median [min, max]) | bytes/token | GB/s | of bandwidth | dispatches/step | submits/step | CPU encode µs/step |\n|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        if let Some(e) = r.get("error") {
+            s.push_str(&format!("| {} | {} | error: {} |\n", r["model"].as_str().unwrap_or(""), r["device"].as_str().unwrap_or(""), e));
+            continue;
+        }
+        let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+        let dev = r["device"].as_str().unwrap_or("");
+        let dev = dev.split(" (").next().unwrap_or(dev);
+        s.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} [{:.1}, {:.1}] | {:.3} GB | {:.0} | {:.1}% | {} | {} | {:.0} |\n",
+            r["model"].as_str().unwrap_or(""),
+            dev,
+            f("prefill_tok_s"),
+            f("decode_tok_s_median"),
+            f("decode_tok_s_min"),
+            f("decode_tok_s_max"),
+            f("bytes_per_token") / 1e9,
+            f("achieved_GB_s"),
+            100.0 * f("fraction_of_bandwidth"),
+            r.get("dispatches_per_step").map(|v| v.to_string()).unwrap_or("-".into()),
+            r.get("submits_per_step").map(|v| v.to_string()).unwrap_or("-".into()),
+            f("cpu_encode_us_median"),
+        ));
+    }
+    s
+}
