@@ -83,6 +83,19 @@ pub trait Executor {
     fn reset(&mut self);
     /// Short description of the device.
     fn describe(&self) -> String;
+    /// Whether [`Executor::submit`]/[`Executor::take`] pipeline steps.
+    fn pipelines(&self) -> bool {
+        false
+    }
+    /// Submits a step without waiting; `feed_device`: its token is the previous
+    /// step's output, copied on the device. Only where [`Executor::pipelines`].
+    fn submit(&mut self, _key: GraphKey, _c: &Compiled, _step: &StepInputs, _feed_device: bool) -> Result<(), String> {
+        Err("this executor does not pipeline steps".into())
+    }
+    /// Waits for the oldest submitted step and returns its token.
+    fn take(&mut self) -> Result<u32, String> {
+        Err("this executor does not pipeline steps".into())
+    }
     /// The GPU executor behind this one, if any (counters, profiling).
     fn as_gpu(&mut self) -> Option<&mut crate::gpu::runtime::GpuExecutor> {
         None
@@ -157,6 +170,8 @@ pub struct Model {
     steps: u32,
     /// Graph executions, for tests and benchmarks.
     pub runs: usize,
+    /// History slots of device-fed tokens not read back yet (pipelined decode).
+    unread: std::collections::VecDeque<usize>,
 }
 
 impl Model {
@@ -199,6 +214,7 @@ impl Model {
             history: vec![],
             steps: 0,
             runs: 0,
+            unread: Default::default(),
         })
     }
 
@@ -239,8 +255,45 @@ impl Model {
     /// Starts a new sequence.
     pub fn reset(&mut self) {
         self.history.clear();
+        self.unread.clear();
         self.steps = 0;
         self.exec.reset();
+    }
+
+    /// Whether decode steps can be pipelined (GPU, no repetition penalty needing the host's history).
+    pub fn can_pipeline(&self, s: &SampleParams) -> bool {
+        self.exec.pipelines() && s.repetition_penalty == 1.0
+    }
+
+    /// Submits a decode step without waiting for it. `token`: the input token, or
+    /// `None` for the token the previous decode step produced (kept on the device).
+    pub fn submit_decode(&mut self, token: Option<u32>, s: &SampleParams) -> Result<(), String> {
+        if self.history.len() + 1 > self.max_context {
+            return Err(format!("context full: max_context {}", self.max_context));
+        }
+        let key = GraphKey { tokens: 1, all_logits: false, sample: true };
+        self.graph(key)?;
+        let pos = [self.history.len() as u32];
+        let tok = [token.unwrap_or(0)];
+        let words = s.words(self.steps, 0);
+        let step = StepInputs { tokens: &tok, positions: &pos, sampling: words, recent: &[] };
+        self.exec.submit(key, &self.graphs[&key], &step, token.is_none())?;
+        if token.is_none() {
+            self.unread.push_back(self.history.len());
+        }
+        self.history.push(tok[0]);
+        self.steps += 1;
+        self.runs += 1;
+        Ok(())
+    }
+
+    /// Waits for the oldest submitted decode step; returns its token.
+    pub fn take_decode(&mut self) -> Result<u32, String> {
+        let t = self.exec.take()?;
+        if let Some(i) = self.unread.pop_front() {
+            self.history[i] = t;
+        }
+        Ok(t)
     }
 
     /// The compiled graph for `key` (built on first use).
@@ -322,7 +375,10 @@ impl Model {
     /// Streams up to `max_tokens` tokens after `prompt` (a fresh sequence).
     pub fn generate(&mut self, prompt: &[u32], params: GenerateParams) -> Result<Generation<'_>, String> {
         self.reset();
-        Ok(Generation { model: self, prompt: prompt.to_vec(), params, produced: vec![], next: None, done: false })
+        if prompt.is_empty() {
+            return Err("empty prompt".into());
+        }
+        Ok(Generation { model: self, prompt: prompt.to_vec(), params, produced: vec![], next: None, done: false, in_flight: 0 })
     }
 }
 
@@ -349,6 +405,8 @@ pub struct Generation<'a> {
     produced: Vec<u32>,
     next: Option<u32>,
     done: bool,
+    /// Pipelined decode steps submitted and not read yet.
+    in_flight: usize,
 }
 
 impl Generation<'_> {
@@ -362,12 +420,32 @@ impl Generation<'_> {
             return Ok(None);
         }
         let s = self.params.sampling;
-        let tok = match self.next.take() {
-            None => {
-                let prompt = std::mem::take(&mut self.prompt);
-                self.model.forward(&prompt, false, Some(&s))?.token
+        let pipelined = self.model.can_pipeline(&s);
+        let more_after = |n: usize| n + 1 < self.params.max_tokens;
+        let tok = if !self.prompt.is_empty() {
+            let prompt = std::mem::take(&mut self.prompt);
+            let t = self.model.forward(&prompt, false, Some(&s))?.token;
+            if pipelined && more_after(self.produced.len()) && self.model.position() < self.model.max_context {
+                self.model.submit_decode(Some(t), &s)?;
+                self.in_flight += 1;
             }
-            Some(t) => t,
+            t
+        } else if pipelined {
+            if self.in_flight == 0 {
+                return Ok(None);
+            }
+            // Keep the GPU busy: the next step is queued before this one is read.
+            if more_after(self.produced.len()) && self.model.position() < self.model.max_context {
+                self.model.submit_decode(None, &s)?;
+                self.in_flight += 1;
+            }
+            self.in_flight -= 1;
+            self.model.take_decode()?
+        } else {
+            match self.next.take() {
+                Some(t) => t,
+                None => return Ok(None),
+            }
         };
         if self.params.stop_at_eos {
             if let Some(tk) = &self.model.tokenizer {
@@ -385,7 +463,7 @@ impl Generation<'_> {
             _ => String::new(),
         };
         self.produced.push(tok);
-        if self.produced.len() < self.params.max_tokens {
+        if !pipelined && self.produced.len() < self.params.max_tokens {
             if self.model.position() >= self.model.max_context {
                 self.done = true;
             } else {

@@ -192,7 +192,7 @@ impl KernelSpec {
             KernelSpec::WeightedSum => Source::new(&[COMMON, ROUTING]).c("WG", ELEM_WG).c("SDT", 2).flag("WSUM", true),
             KernelSpec::Copy => Source::new(&[COMMON, COPY]).c("WG", ELEM_WG),
             KernelSpec::Argmax { wg } => Source::new(&[COMMON, ARGMAX]).c("WG", wg),
-            KernelSpec::Sample => Source::new(&[SAMPLE]).c("WG", 256),
+            KernelSpec::Sample => Source::new(&[SAMPLE]).c("WG", 128),
         }
     }
 

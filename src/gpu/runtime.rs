@@ -46,7 +46,9 @@ struct Prepared {
     _params: Vec<wgpu::Buffer>,
     token: NodeIndex,
     logits: NodeIndex,
-    token_staging: wgpu::Buffer,
+    /// Staging ring of the token readbacks (steps in flight take turns).
+    token_ring: Vec<wgpu::Buffer>,
+    next_slot: usize,
     logits_staging: wgpu::Buffer,
     logits_bytes: u64,
     queries: Option<(Profile, Queries)>,
@@ -79,6 +81,17 @@ struct Queries {
     count: u32,
 }
 
+/// Token readback slots per prepared graph: more than the steps ever in flight.
+const RING: usize = 4;
+
+/// A submitted step whose token has not been read yet.
+struct InFlight {
+    key: GraphKey,
+    slot: usize,
+    want_logits: bool,
+    profiled: Option<Profile>,
+}
+
 /// Counters of the last step (for tests and benchmarks).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepStats {
@@ -106,6 +119,7 @@ pub struct GpuExecutor {
     pub last: StepStats,
     /// Submissions since creation.
     pub total_submits: usize,
+    in_flight: std::collections::VecDeque<InFlight>,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> String {
@@ -144,6 +158,7 @@ impl GpuExecutor {
             profiled: ProfileResult::default(),
             last: StepStats::default(),
             total_submits: 0,
+            in_flight: Default::default(),
         })
     }
 
@@ -409,7 +424,7 @@ impl GpuExecutor {
                 mapped_at_creation: false,
             })
         };
-        let token_staging = staging("token staging", 4);
+        let token_ring = (0..RING).map(|_| staging("token staging", 4)).collect();
         let logits_staging = staging("logits staging", logits_bytes);
         Ok(Prepared {
             pool,
@@ -419,7 +434,8 @@ impl GpuExecutor {
             _params: params,
             token,
             logits,
-            token_staging,
+            token_ring,
+            next_slot: 0,
             logits_staging,
             logits_bytes,
             queries: None,
@@ -512,8 +528,10 @@ impl GpuExecutor {
     }
 }
 
-impl Executor for GpuExecutor {
-    fn run(&mut self, key: GraphKey, c: &Compiled, step: &StepInputs, want_logits: bool) -> Result<StepOutput, String> {
+impl GpuExecutor {
+    /// Encodes and submits one step. `feed_device`: the token input is the token the
+    /// previous step of this (single-token) graph produced, already copied on the device.
+    fn submit_step(&mut self, key: GraphKey, c: &Compiled, step: &StepInputs, want_logits: bool, feed_device: bool) -> Result<(), String> {
         if !self.prepared.contains_key(&key) {
             let p = self.prepare(c)?;
             self.prepared.insert(key, p);
@@ -529,6 +547,7 @@ impl Executor for GpuExecutor {
         let q = &self.gpu.queue;
         for (kind, b) in &p.inputs {
             match kind {
+                InputKind::Tokens if feed_device => {}
                 InputKind::Tokens => q.write_buffer(b, 0, bytemuck::cast_slice(step.tokens)),
                 InputKind::Positions => q.write_buffer(b, 0, bytemuck::cast_slice(step.positions)),
                 InputKind::SamplingParams => q.write_buffer(b, 0, bytemuck::cast_slice(&step.sampling)),
@@ -540,6 +559,10 @@ impl Executor for GpuExecutor {
                 }
             }
         }
+        let slot = p.next_slot;
+        let token_staging = &p.token_ring[slot];
+        // Single-token graphs feed their token back to their own input on the device.
+        let feedback = p.inputs.get(&InputKind::Tokens).filter(|b| b.size() == 4);
         let token_buf = Self::value_buffer(p, c, p.token);
         let logits_buf = Self::value_buffer(p, c, p.logits);
         let mut stats = StepStats { phases: p.phases.len(), ..Default::default() };
@@ -547,7 +570,10 @@ impl Executor for GpuExecutor {
             self.run_checked(p, c)?;
             stats.submits = p.phases.iter().map(|ph| ph.len()).sum();
             let mut enc = self.gpu.device.create_command_encoder(&Default::default());
-            enc.copy_buffer_to_buffer(&token_buf, 0, &p.token_staging, 0, 4);
+            enc.copy_buffer_to_buffer(&token_buf, 0, token_staging, 0, 4);
+            if let Some(f) = feedback {
+                enc.copy_buffer_to_buffer(&token_buf, 0, f, 0, 4);
+            }
             if want_logits {
                 enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
             }
@@ -586,7 +612,10 @@ impl Executor for GpuExecutor {
                         enc.resolve_query_set(&q.set, 0..q.count, &q.resolve, 0);
                         enc.copy_buffer_to_buffer(&q.resolve, 0, &q.staging, 0, q.count as u64 * 8);
                     }
-                    enc.copy_buffer_to_buffer(&token_buf, 0, &p.token_staging, 0, 4);
+                    enc.copy_buffer_to_buffer(&token_buf, 0, token_staging, 0, 4);
+                    if let Some(f) = feedback {
+                        enc.copy_buffer_to_buffer(&token_buf, 0, f, 0, 4);
+                    }
                     if want_logits {
                         enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
                     }
@@ -596,7 +625,23 @@ impl Executor for GpuExecutor {
             }
         }
         stats.encode_s = t0.elapsed().as_secs_f64();
-        let tok = self.read_staging(&p.token_staging, 4)?;
+        self.total_submits += stats.submits;
+        self.last = stats;
+        let profiled = queries.map(|_| level);
+        self.prepared.get_mut(&key).unwrap().next_slot = (slot + 1) % RING;
+        self.in_flight.push_back(InFlight { key, slot, want_logits, profiled });
+        if self.in_flight.len() >= RING {
+            return Err("too many steps in flight".into());
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest step in flight and reads its token (and logits, profile).
+    fn take_step(&mut self) -> Result<StepOutput, String> {
+        let f = self.in_flight.pop_front().ok_or("no step in flight")?;
+        let p = &self.prepared[&f.key];
+        let want_logits = f.want_logits;
+        let tok = self.read_staging(&p.token_ring[f.slot], 4)?;
         let token = u32::from_le_bytes([tok[0], tok[1], tok[2], tok[3]]);
         let logits = if want_logits {
             let b = self.read_staging(&p.logits_staging, p.logits_bytes)?;
@@ -604,6 +649,8 @@ impl Executor for GpuExecutor {
         } else {
             None
         };
+        let level = f.profiled.unwrap_or(Profile::Off);
+        let queries = if f.profiled.is_some() { p.queries.as_ref().map(|q| &q.1) } else { None };
         if let Some(q) = queries {
             let b = self.read_staging(&q.staging, q.count as u64 * 8)?;
             let ts: Vec<u64> = b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
@@ -630,12 +677,41 @@ impl Executor for GpuExecutor {
             }
             self.profiled = r;
         }
-        self.total_submits += stats.submits;
-        self.last = stats;
         Ok(StepOutput { logits, token })
     }
 
-    fn reset(&mut self) {}
+    /// Reads back and drops every step still in flight.
+    fn drain(&mut self) -> Result<(), String> {
+        while !self.in_flight.is_empty() {
+            self.take_step()?;
+        }
+        Ok(())
+    }
+}
+
+impl Executor for GpuExecutor {
+    fn run(&mut self, key: GraphKey, c: &Compiled, step: &StepInputs, want_logits: bool) -> Result<StepOutput, String> {
+        self.drain()?;
+        self.submit_step(key, c, step, want_logits, false)?;
+        self.take_step()
+    }
+
+    fn pipelines(&self) -> bool {
+        !self.check_nan
+    }
+
+    fn submit(&mut self, key: GraphKey, c: &Compiled, step: &StepInputs, feed_device: bool) -> Result<(), String> {
+        self.submit_step(key, c, step, false, feed_device)
+    }
+
+    fn take(&mut self) -> Result<u32, String> {
+        self.take_step().map(|o| o.token)
+    }
+
+
+    fn reset(&mut self) {
+        let _ = self.drain();
+    }
 
     fn describe(&self) -> String {
         format!("gpu: {}", self.gpu.info.summary())
