@@ -59,7 +59,7 @@ pub fn parse_device(s: Option<&str>) -> Result<DeviceKind, String> {
 }
 
 /// Loads a model with a progress bar on stderr.
-pub fn load_model(dir: &Path, device: DeviceKind, max_context: usize) -> Result<Model, String> {
+pub fn load_model(dir: &Path, device: DeviceKind, max_context: usize, check_nan: bool) -> Result<Model, String> {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} {elapsed}")
@@ -70,7 +70,7 @@ pub fn load_model(dir: &Path, device: DeviceKind, max_context: usize) -> Result<
         b2.set_length(total);
         b2.set_position(done);
     });
-    let opts = ModelOptions { device, max_context, progress: Some(progress), ..Default::default() };
+    let opts = ModelOptions { device, max_context, progress: Some(progress), check_nan, ..Default::default() };
     let m = Model::load(dir, opts);
     bar.finish_and_clear();
     m

@@ -41,6 +41,10 @@ struct RunArgs {
     /// KV-cache length.
     #[arg(long, default_value_t = 4096)]
     max_context: usize,
+    /// Debug numerics: one submission per node, every output read back; stops at the
+    /// first node producing NaN or Inf and names it (dump id, op, weights).
+    #[arg(long)]
+    check_nan: bool,
 }
 
 #[derive(Args, Clone)]
@@ -167,7 +171,7 @@ fn out(s: &str) {
 
 fn load(run: &RunArgs) -> Result<markbase::model::Model, String> {
     let dev = cli::parse_device(run.backend.as_deref())?;
-    cli::load_model(&run.model, dev, run.max_context)
+    cli::load_model(&run.model, dev, run.max_context, run.check_nan)
 }
 
 fn main() -> ExitCode {

@@ -67,3 +67,59 @@ fn pipelined_generation_matches_cpu() {
         assert!(same >= 20, "{name}: sampled sequences diverge at {same}: cpu {cpu:?} gpu {gpu:?}");
     }
 }
+
+/// `--check-nan` (one submission per node, each output read back) stops at the
+/// first node that produces NaN and names it and its weights; a weight with a
+/// planted NaN is found at the node that multiplies by it.
+#[test]
+fn check_nan_finds_a_planted_nan() {
+    use markbase::graph::BuildOptions;
+    use markbase::loader::Checkpoint;
+    use markbase::model::{Model, ModelOptions};
+    use std::sync::Arc;
+    let name = "gemma3_text-q4";
+    let ck = Checkpoint::open(common::fixture(name)).unwrap();
+    let g = ck.build(BuildOptions::decode(64, 16)).unwrap();
+    let (mut w, _) = ck.load_weights(&g).unwrap();
+    let target = "model.layers.3.mlp.down_proj";
+    let wd = w.map.get_mut(target).unwrap();
+    // bf16 NaN in the first scale of row 5.
+    let sc = wd.scales.as_mut().unwrap();
+    let per_row = sc.shape[1] * 2;
+    sc.bytes[5 * per_row] = 0xc0;
+    sc.bytes[5 * per_row + 1] = 0x7f;
+    let r = common::reference(name);
+    let opts = ModelOptions { device: DeviceKind::Gpu(None), max_context: 64, prefill_chunk: 32, check_nan: true, ..Default::default() };
+    let mut m = Model::from_parts(ck.config().clone(), Arc::new(w.clone()), None, &opts).unwrap();
+    let e = m.logits(&r.tokens[..5]).unwrap_err();
+    println!("{e}");
+    assert!(e.contains("l3.down_proj"), "wrong node: {e}");
+    assert!(e.contains(target), "weight not named: {e}");
+    // Without the NaN the same path runs clean.
+    let clean = Checkpoint::open(common::fixture(name)).unwrap().load_weights(&g).unwrap().0;
+    let mut m = Model::from_parts(ck.config().clone(), Arc::new(clean), None, &opts).unwrap();
+    assert!(m.logits(&r.tokens[..5]).is_ok());
+}
+
+/// Each phase is one submission: a step submits exactly as many command buffers as
+/// the schedule has phases (and one compute pass each).
+#[test]
+fn one_submission_per_phase() {
+    use markbase::model::{GraphKey, Model, ModelOptions};
+    for name in ["gemma3_text-q4", "gemma4_moe-q4"] {
+        let opts = ModelOptions { device: DeviceKind::Gpu(None), max_context: 64, prefill_chunk: 32, ..Default::default() };
+        let mut m = Model::load(common::fixture(name), opts).unwrap();
+        let r = common::reference(name);
+        m.forward(&r.tokens[..7], false, None).unwrap();
+        let phases = m.graph(GraphKey { tokens: 7, all_logits: false, sample: false }).unwrap().schedule.phases.len();
+        let s = m.gpu_stats().unwrap();
+        assert_eq!(s.submits, phases, "{name}: prefill");
+        m.forward(&r.tokens[7..8], false, None).unwrap();
+        let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false }).unwrap();
+        let (phases, ops) = (c.schedule.phases.len(), c.schedule.phases.iter().map(|p| p.len()).sum::<usize>());
+        let s = m.gpu_stats().unwrap();
+        assert_eq!(s.submits, phases, "{name}: decode");
+        assert_eq!(phases, 2);
+        assert!(s.dispatches <= ops, "{name}: {} dispatches for {ops} ops", s.dispatches);
+    }
+}
