@@ -1,0 +1,94 @@
+//! The `markbase` binary: graph dumps, inspect, generate, logits, bench, and clear errors.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_markbase"))
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let o = bin().args(args).current_dir(root()).output().expect("run markbase");
+    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+}
+
+#[test]
+fn graph_dumps_are_byte_identical_and_valid() {
+    for cfg in ["configs/gemma3-270m", "configs/gemma3-1b", "configs/gemma3-12b"] {
+        for fmt in ["text", "json", "dot"] {
+            let a = run(&["graph", cfg, "--format", fmt, "--tokens", "12"]);
+            let b = run(&["graph", cfg, "--format", fmt, "--tokens", "12"]);
+            assert!(a.0, "{cfg} {fmt}: {}", a.2);
+            assert_eq!(a.1, b.1, "{cfg} {fmt}: dumps differ between runs");
+            match fmt {
+                "json" => {
+                    let v: serde_json::Value = serde_json::from_str(&a.1).unwrap();
+                    assert_eq!(v["schema"], 1);
+                    let n = v["nodes"].as_array().unwrap();
+                    assert_eq!(n.len() as u64, v["summary"]["nodes"].as_u64().unwrap());
+                    assert!(v["phases"].as_array().unwrap().len() == 2);
+                    // Every matmul names its weight and has a pool buffer distinct from its input's.
+                    for node in n.iter().filter(|x| x["op"] == "matmul") {
+                        assert_eq!(node["weights"].as_array().unwrap().len(), 1);
+                        let inp = node["inputs"][0].as_u64().unwrap() as usize;
+                        assert_ne!(n[inp]["storage"], node["storage"]);
+                    }
+                }
+                "dot" => assert!(a.1.starts_with("digraph markbase {") && a.1.trim_end().ends_with('}')),
+                _ => assert!(a.1.contains("phase 0")),
+            }
+        }
+    }
+}
+
+#[test]
+fn inspect_describes_fixtures_and_reports_broken_ones() {
+    let (ok, out, _) = run(&["inspect", "tests/fixtures/gemma4_moe-q4", "--json"]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(out.contains("experts"), "{v}");
+    let (ok, out, err) = run(&["inspect", "tests/fixtures/broken/missing-tensor"]);
+    assert!(!ok);
+    assert!(out.contains("self_attn.k_proj.weight missing"), "{out}{err}");
+    let (ok, _, err) = run(&["generate", "-m", "tests/fixtures/broken/truncated-file", "--backend", "cpu", "-p", "hi"]);
+    assert!(!ok);
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn generate_and_logits_run_on_a_fixture() {
+    let (ok, out, err) = run(&["generate", "-m", "tests/fixtures/gemma3_text-q4", "--backend", "cpu", "-p", "w1 w2 w3", "--max-tokens", "5"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("w1 w2 w3"), "{out}");
+    assert!(err.contains("5 generated"), "{err}");
+    let npy = std::env::temp_dir().join(format!("markbase-logits-{}.npy", std::process::id()));
+    let (ok, _, err) = run(&["logits", "-m", "tests/fixtures/gemma3_text-q4", "--backend", "cpu", "--tokens", "2,5,9", "--out", npy.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let b = std::fs::read(&npy).unwrap();
+    assert_eq!(&b[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert_eq!(b.len(), 10 + hlen + 3 * 512 * 4);
+    assert!(String::from_utf8_lossy(&b[10..10 + hlen]).contains("(3, 512)"));
+    let _ = std::fs::remove_file(npy);
+    let (ok, _, err) = run(&["logits", "-m", "tests/fixtures/gemma3_text-q4", "--backend", "cpu", "--tokens", "2,99999"]);
+    assert!(!ok && err.contains("outside the vocabulary"), "{err}");
+}
+
+#[test]
+fn bench_runs_on_gpu_and_cpu() {
+    let (ok, out, err) = run(&["bench", "--synthetic", "tiny-gemma3", "--prompt", "8", "--gen", "4", "--runs", "1", "--backend", "all", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v.as_array().unwrap();
+    assert!(rows.len() >= 2, "expected a GPU and the CPU: {out}");
+    for r in rows {
+        assert!(r.get("error").is_none(), "{r}");
+        assert!(r["decode_tok_s_median"].as_f64().unwrap() > 0.0);
+    }
+    assert!(rows.iter().any(|r| r["submits_per_step"] == 2), "{out}");
+}
