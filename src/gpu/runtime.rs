@@ -90,6 +90,8 @@ struct InFlight {
     slot: usize,
     want_logits: bool,
     profiled: Option<Profile>,
+    /// The step's last submission: reading its token waits for it alone.
+    submission: Option<wgpu::SubmissionIndex>,
 }
 
 /// Counters of the last step (for tests and benchmarks).
@@ -469,11 +471,16 @@ impl GpuExecutor {
 
     /// Maps a staging buffer after the queue drained and copies its bytes out.
     fn read_staging(&self, b: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, String> {
+        self.read_staging_after(b, bytes, None)
+    }
+
+    /// Like `read_staging`, waiting only for submission `idx` (later ones keep running).
+    fn read_staging_after(&self, b: &wgpu::Buffer, bytes: u64, idx: Option<wgpu::SubmissionIndex>) -> Result<Vec<u8>, String> {
         let (tx, rx) = std::sync::mpsc::channel();
         b.map_async(wgpu::MapMode::Read, ..bytes.max(4), move |r| {
             let _ = tx.send(r);
         });
-        self.gpu.device.poll(wgpu::PollType::wait_indefinitely()).map_err(err)?;
+        self.gpu.device.poll(wgpu::PollType::Wait { submission_index: idx, timeout: None }).map_err(err)?;
         rx.recv().map_err(err)?.map_err(err)?;
         let v = b.get_mapped_range(..bytes.max(4)).map_err(err)?[..bytes as usize].to_vec();
         b.unmap();
@@ -566,6 +573,7 @@ impl GpuExecutor {
         let token_buf = Self::value_buffer(p, c, p.token);
         let logits_buf = Self::value_buffer(p, c, p.logits);
         let mut stats = StepStats { phases: p.phases.len(), ..Default::default() };
+        let mut submitted: Option<wgpu::SubmissionIndex> = None;
         if self.check_nan {
             self.run_checked(p, c)?;
             stats.submits = p.phases.iter().map(|ph| ph.len()).sum();
@@ -577,7 +585,7 @@ impl GpuExecutor {
             if want_logits {
                 enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
             }
-            q.submit([enc.finish()]);
+            submitted = Some(q.submit([enc.finish()]));
         } else {
             let last = p.phases.len() - 1;
             let mut qi = 0u32;
@@ -620,7 +628,7 @@ impl GpuExecutor {
                         enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
                     }
                 }
-                q.submit([enc.finish()]);
+                submitted = Some(q.submit([enc.finish()]));
                 stats.submits += 1;
             }
         }
@@ -629,7 +637,7 @@ impl GpuExecutor {
         self.last = stats;
         let profiled = queries.map(|_| level);
         self.prepared.get_mut(&key).unwrap().next_slot = (slot + 1) % RING;
-        self.in_flight.push_back(InFlight { key, slot, want_logits, profiled });
+        self.in_flight.push_back(InFlight { key, slot, want_logits, profiled, submission: submitted });
         if self.in_flight.len() >= RING {
             return Err("too many steps in flight".into());
         }
@@ -641,7 +649,7 @@ impl GpuExecutor {
         let f = self.in_flight.pop_front().ok_or("no step in flight")?;
         let p = &self.prepared[&f.key];
         let want_logits = f.want_logits;
-        let tok = self.read_staging(&p.token_ring[f.slot], 4)?;
+        let tok = self.read_staging_after(&p.token_ring[f.slot], 4, f.submission.clone())?;
         let token = u32::from_le_bytes([tok[0], tok[1], tok[2], tok[3]]);
         let logits = if want_logits {
             let b = self.read_staging(&p.logits_staging, p.logits_bytes)?;
