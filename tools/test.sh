@@ -7,5 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu-env.sh
+# The converted real model is cached per machine (models/ links to the cache).
+cache="${MARKBASE_MODEL_CACHE:-$HOME/.cache/markbase/models}"
+if [ ! -e models ]; then
+  mkdir -p "$cache"
+  ln -s "$cache" models
+fi
 tools/setup-real-model.sh
 cargo test --release --workspace "$@"
