@@ -30,9 +30,9 @@ fn env() -> &'static Env {
     ENV.get_or_init(|| {
         let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
         println!("adapter: {}", gpu.info.summary());
-        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, unchecked: false }).unwrap())];
+        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All }).unwrap())];
         if gpu.info.subgroups {
-            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, unchecked: false }).unwrap()));
+            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All }).unwrap()));
         } else {
             println!("adapter has no subgroups: only the subgroup-free path runs");
         }
@@ -217,8 +217,20 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
         let mut want = vec![0f32; t * n];
         cpu::matmul(&x, &wref, k, n, &mut want);
         let xb = gpu.upload_f32("x", &x);
+        let mut kernels: Vec<(String, MatMulKernel)> = Vec::new();
         for (label, ks) in &e.variants {
             let mm = ks.matmul(fmt, k, t, false).unwrap();
+            // the one-token GEMV both with one and with two blocks per step
+            if let KernelSpec::Gemv { bp2, .. } = mm.spec {
+                if t == 1 {
+                    let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, .. } = mm.spec else { unreachable!() };
+                    let other = KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: !bp2 };
+                    kernels.push((format!("{label} bp2={}", !bp2), ks.matmul_spec(other).unwrap()));
+                }
+            }
+            kernels.push((label.to_string(), mm));
+        }
+        for (label, mm) in &kernels {
             let y = gpu.storage("y", (t * n * 4) as u64);
             let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
             let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
@@ -249,12 +261,14 @@ fn matmul_every_format_gemv_and_gemm_chunked() {
 fn matmul_unchunked_larger_tiles() {
     let mut r = rng("matmul_large");
     // Several GEMM tiles in both directions, and a GEMV with many row groups.
-    for fmt in [
-        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
-        GpuFormat::Affine { bits: 8, group: 32, scale: FloatType::Bf16 },
-        GpuFormat::Float(FloatType::Bf16),
+    // (K % 32 == 0 takes the vectorized float paths, K = 100 the masked ones)
+    for (fmt, k) in [
+        (GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }, 256),
+        (GpuFormat::Affine { bits: 8, group: 32, scale: FloatType::Bf16 }, 256),
+        (GpuFormat::Float(FloatType::Bf16), 100),
+        (GpuFormat::Float(FloatType::Bf16), 96),
+        (GpuFormat::Float(FloatType::F32), 128),
     ] {
-        let k = if fmt.is_quantized() { 256 } else { 100 };
         matmul_case(&mut r, fmt, 131, k, &[1, 2, 70], 1);
     }
 }
@@ -687,3 +701,246 @@ fn adapter_info_and_backend_parsing() {
     let b = e.gpu.upload("odd", &[1, 2, 3, 4, 5]);
     assert_eq!(e.gpu.readback(&b, 5).unwrap(), vec![1, 2, 3, 4, 5]);
 }
+
+// ------------------------------------------------------------------ sampling
+
+
+/// `cpu::ops::sample`'s inverse-CDF stage, replicated to measure how far (relative to the
+/// kept mass) the uniform draw `u` lies from the CDF interval of token `g`: 0 when `g` is
+/// the CPU's own pick. `None` when `g` is not kept.
+fn cdf_distance(logits: &[f32], params: &[u32; 8], recent: &[u32], g: u32) -> Option<f64> {
+    let f = f32::from_bits;
+    let (temp, top_k, top_p, min_p, pen) = (f(params[0]), params[1], f(params[2]), f(params[3]), f(params[4]));
+    let mut l = logits.to_vec();
+    if pen != 1.0 && pen > 0.0 {
+        let mut ids: Vec<u32> = recent[..(params[7] as usize).min(recent.len())].to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v = if *v < 0.0 { *v * pen } else { *v / pen };
+            }
+        }
+    }
+    if temp <= 0.0 {
+        return Some(if cpu::argmax(&l) == g { 0.0 } else { f64::INFINITY });
+    }
+    let z: Vec<f32> = l.iter().map(|v| v / temp).collect();
+    let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = z.clone();
+    s.sort_by(|a, b| b.total_cmp(a));
+    let mut thr = f32::NEG_INFINITY;
+    if top_k > 0 && (top_k as usize) < z.len() {
+        thr = thr.max(s[top_k as usize - 1]);
+    }
+    if min_p > 0.0 {
+        thr = thr.max(m + min_p.ln());
+    }
+    if top_p < 1.0 {
+        let total: f64 = s.iter().map(|&v| ((v - m) as f64).exp()).sum();
+        let mut acc = 0f64;
+        for &v in &s {
+            acc += ((v - m) as f64).exp();
+            if acc >= top_p as f64 * total {
+                thr = thr.max(v);
+                break;
+            }
+        }
+    }
+    let kept: f64 = z.iter().filter(|&&v| v >= thr).map(|&v| ((v - m) as f64).exp()).sum();
+    let u = cpu::uniform(params[5], params[6]) as f64 * kept;
+    let mut acc = 0f64;
+    for (i, &v) in z.iter().enumerate() {
+        if v >= thr {
+            let lo = acc;
+            acc += ((v - m) as f64).exp();
+            if i as u32 == g {
+                return Some(if u < lo { (lo - u) / kept } else if u >= acc { (u - acc) / kept } else { 0.0 });
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn sample_matches_cpu() {
+    use markbase::cpu::ops::SampleParams;
+    let mut r = rng("sample");
+    let e = env();
+    let gpu = &e.gpu;
+    let k = markbase::gpu::sample::kernel(gpu, &e.variants[0].1).unwrap();
+    let base = SampleParams::default();
+    let cases = [
+        SampleParams { temperature: 0.0, ..base },
+        SampleParams { temperature: 0.0, repetition_penalty: 1.5, ..base },
+        SampleParams { temperature: 1.0, ..base },
+        SampleParams { temperature: 0.7, top_k: 5, ..base },
+        SampleParams { temperature: 1.3, top_p: 0.9, ..base },
+        SampleParams { temperature: 1.0, min_p: 0.05, ..base },
+        SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.3, ..base },
+    ];
+    for (t, v) in [(2usize, 1000usize), (1, 262_144)] {
+        // V=1000: a flat distribution (many tokens in play); V=262144: logits spread like a
+        // language model's (most mass on a few thousand tokens). Duplicates near the top
+        // exercise ties in top-k / top-p. (On a flat 262144-token distribution the f32 GPU
+        // and the f64 CPU may pick adjacent tokens when u falls within ~1e-7 of a boundary.)
+        let amp = if v > 1000 { 6.0 } else { 2.0 };
+        let mut l = randn(&mut r, t * v, amp);
+        l[(t - 1) * v + 7] = amp - 0.01;
+        l[(t - 1) * v + 11] = amp - 0.01;
+        let recent: Vec<u32> = (0..64).map(|i| if i % 3 == 0 { 7 } else { r.gen_range(0..v as u32) }).collect();
+        let lb = gpu.upload_f32("l", &l);
+        let rb = gpu.upload_u32("recent", &recent);
+        let p = gpu.uniform("p", &ArgmaxParams::last_row(t, v));
+        let mut picks = std::collections::BTreeSet::new();
+        let mut mismatches = 0;
+        for sp in cases {
+            for step in 0..3u32 {
+                let sp = SampleParams { seed: r.gen(), ..sp };
+                let n_recent = if sp.repetition_penalty != 1.0 { 50 } else { 0 };
+                let words = sp.words(step, n_recent);
+                let want = cpu::sample(&l[(t - 1) * v..], &words, &recent);
+                let wb = gpu.upload_u32("words", &words);
+                let out = gpu.storage("out", 4);
+                let bg = k.bind_buffers(&gpu.device, &[(0, &p), (1, &lb), (2, &wb), (3, &rb), (4, &out)]);
+                run(gpu, |pass| k.dispatch(pass, &bg, [1, 1, 1]));
+                let got = gpu.read_u32(&out, 1).unwrap()[0];
+                let row = &l[(t - 1) * v..];
+                // the replica agrees with the CPU on its own pick
+                assert_eq!(cdf_distance(row, &words, &recent, want), Some(0.0), "replica of cpu::sample");
+                if got != want {
+                    // f32 (GPU) vs f64 (CPU) masses: adjacent picks within 1e-6 of the kept mass
+                    let dist = cdf_distance(row, &words, &recent, got);
+                    println!("sample V={v} {sp:?} step {step}: gpu {got} cpu {want}, distance {dist:?}");
+                    assert!(dist.is_some_and(|d| d <= 1e-6), "sample V={v} {sp:?} step {step}: gpu {got} cpu {want}, distance {dist:?}");
+                    mismatches += 1;
+                }
+                picks.insert(got);
+            }
+        }
+        // the draws are not all the same token (the comparison is not vacuous)
+        assert!(picks.len() >= 5, "V={v}: only {} distinct tokens drawn", picks.len());
+        assert!(mismatches <= 2, "V={v}: {mismatches} boundary mismatches");
+    }
+}
+
+// ------------------------------------------------------------------ benchmark (ignored)
+
+/// Decode GEMV bandwidth: `cargo test --release --test kernels -- --ignored gemv_bandwidth --nocapture`.
+/// Streams `MARKBASE_BENCH_LAYERS` distinct weights of `[N, K]` (default 32 x [15360, 3840],
+/// affine 4-bit g64: larger than any L2) through one compute pass, timed with timestamp
+/// queries when the adapter has them (else wall clock), median of `MARKBASE_BENCH_ITERS`.
+#[test]
+#[ignore]
+fn gemv_bandwidth() {
+    let e = env();
+    let gpu = &e.gpu;
+    let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (n, k) = (envu("MARKBASE_BENCH_N", 15360), envu("MARKBASE_BENCH_K", 3840));
+    let layers = envu("MARKBASE_BENCH_LAYERS", 32);
+    let iters = envu("MARKBASE_BENCH_ITERS", 20);
+    let t = envu("MARKBASE_BENCH_T", 1);
+    let mut r = StdRng::seed_from_u64(1);
+    let fmts: Vec<GpuFormat> = match std::env::var("MARKBASE_BENCH_FMT").as_deref() {
+        Ok("all") => vec![
+            GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+            GpuFormat::Affine { bits: 8, group: 64, scale: FloatType::Bf16 },
+            GpuFormat::Affine { bits: 6, group: 64, scale: FloatType::Bf16 },
+            GpuFormat::Mxfp4,
+            GpuFormat::Float(FloatType::Bf16),
+        ],
+        _ => vec![GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }],
+    };
+    println!("adapter: {}", gpu.info.summary());
+    for fmt in fmts {
+        // one random weight, uploaded `layers` times (distinct buffers)
+        let wd = random_weight(&mut r, fmt, &[n, k]);
+        let ws: Vec<GpuWeight> = (0..layers).map(|_| upload_weight(gpu, &wd, None).unwrap()).collect();
+        let (a, b, c) = fmt.row_bytes(k);
+        let bytes_per_layer = (n * (a + b + c)) as f64;
+        let x = gpu.upload_f32("x", &randn(&mut r, t * k, 1.0));
+        let y = gpu.storage("y", (t * n * 4) as u64);
+        let checks = match std::env::var("MARKBASE_BENCH_CHECKS").as_deref() {
+            Ok("compare") => vec![ShaderChecks::All, ShaderChecks::BoundsOnly, ShaderChecks::None],
+            _ => vec![ShaderChecks::from_env()],
+        };
+        let mut kss = Vec::new();
+        for &c in &checks {
+            for sg in [false, true] {
+                if !sg || gpu.info.subgroups {
+                    let label = format!("{}{c:?}", if sg { "subgroup " } else { "plain " });
+                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c }).unwrap()));
+                }
+            }
+        }
+        for (label, ks) in &kss {
+            let mm = ks.matmul(fmt, k, t, false).unwrap();
+            let d = MatMulDims::plain(&ws[0], 0, t);
+            let pb = gpu.uniform("p", &mm.params(&d));
+            // MARKBASE_BENCH_DISTINCT_Y=1: one output per layer (independent dispatches, no
+            // barriers between them) instead of one shared output (dependent, like a model)
+            let distinct = std::env::var("MARKBASE_BENCH_DISTINCT_Y").is_ok_and(|v| v == "1");
+            let ys: Vec<wgpu::Buffer> =
+                if distinct { (0..layers).map(|_| gpu.storage("y", (t * n * 4) as u64)).collect() } else { vec![] };
+            let bgs: Vec<wgpu::BindGroup> = ws
+                .iter()
+                .enumerate()
+                .map(|(i, w)| mm.bind_group(&gpu.device, &pb, &x, if distinct { &ys[i] } else { &y }, None, w, 0))
+                .collect();
+            let qs = gpu.info.timestamps.then(|| {
+                gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: None, ty: wgpu::QueryType::Timestamp, count: 2 })
+            });
+            let qbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: 16,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            let mut times = Vec::new();
+            for it in 0..iters + 2 {
+                let mut enc = gpu.device.create_command_encoder(&Default::default());
+                {
+                    let tw = qs.as_ref().map(|q| wgpu::ComputePassTimestampWrites {
+                        query_set: q,
+                        beginning_of_pass_write_index: Some(0),
+                        end_of_pass_write_index: Some(1),
+                    });
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: tw });
+                    for bg in &bgs {
+                        mm.dispatch(&mut pass, bg, &d);
+                    }
+                }
+                if let Some(q) = &qs {
+                    enc.resolve_query_set(q, 0..2, &qbuf, 0);
+                }
+                let t0 = std::time::Instant::now();
+                gpu.queue.submit([enc.finish()]);
+                gpu.wait().unwrap();
+                let wall = t0.elapsed().as_secs_f64();
+                let secs = if qs.is_some() {
+                    let ts = gpu.read_u32(&qbuf, 4).unwrap();
+                    let (t0, t1) = (ts[0] as u64 | (ts[1] as u64) << 32, ts[2] as u64 | (ts[3] as u64) << 32);
+                    t1.saturating_sub(t0) as f64 * gpu.queue.get_timestamp_period() as f64 * 1e-9
+                } else {
+                    wall
+                };
+                if it >= 2 {
+                    times.push(secs);
+                }
+            }
+            times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let med = times[times.len() / 2];
+            let per = med / layers as f64;
+            println!(
+                "BENCH gemv {} [{label}] {} T={t} N={n} K={k}: {:.1} us/layer, {:.0} GB/s (median of {iters}, {layers} layers, {:.1} MB each, {})",
+                fmt.describe(),
+                mm.kernel.name,
+                per * 1e6,
+                bytes_per_layer / per / 1e9,
+                bytes_per_layer / 1e6,
+                if qs.is_some() { "timestamps" } else { "wall clock" }
+            );
+        }
+    }
+}
+

@@ -1,5 +1,5 @@
-// Shared helpers: invocation ids kept in private vars, workgroup reductions
-// (subgroup path and shared-memory tree path), float decoding.
+// Shared helpers: invocation ids kept in private vars, workgroup reductions (subgroup
+// path and shared-memory tree path), 16-bit float decoding, a 32x32 -> high-32 multiply.
 //
 // Needs from the prelude: const WG (workgroup size, a power of two).
 // Flag SUBGROUP selects the subgroup path; every kernel entry point calls
@@ -103,4 +103,18 @@ fn f16x2_pick(word: u32, i: u32, dt: u32) -> f32 {
         return bitcast<f32>(h << 16u);
     }
     return f16_bits_to_f32(h);
+}
+
+// High 32 bits of the 64-bit product a * b.
+fn mulhi(a: u32, b: u32) -> u32 {
+    let a0 = a & 0xffffu;
+    let a1 = a >> 16u;
+    let b0 = b & 0xffffu;
+    let b1 = b >> 16u;
+    let p00 = a0 * b0;
+    let p01 = a0 * b1;
+    let p10 = a1 * b0;
+    let p11 = a1 * b1;
+    let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+    return p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
 }

@@ -7,7 +7,8 @@
 // + shared memory, or a shared-memory tree without subgroups).
 //
 // Prelude consts: WG, R, TT, RED_N (= R * TT * WG); weight consts (weights.wgsl).
-// Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1.
+// Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1,
+// BP2 (one token: two blocks per invocation and step).
 // Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 8.. weights.
 
 struct Params {
@@ -40,44 +41,57 @@ const RT: u32 = R * TT;
 var<workgroup> red_g: array<f32, RED_N>;
 
 // 32 activations of block `blk` of x row `xr` (zeros past K).
-fn load_x(xr: u32, blk: u32, K: u32) -> array<vec4<f32>, 8> {
-    var v: array<vec4<f32>, 8>;
+fn load_x(xr: u32, blk: u32, K: u32) -> V8 {
+    var v: V8;
 //#if XVEC
     let b = xr * (K >> 2u) + blk * 8u;
-    for (var i = 0u; i < 8u; i++) {
-        v[i] = x[b + i];
-    }
+//#repeat 8 i
+    v.v$i = x[b + $iu];
+//#endrepeat
 //#else
     let b = xr * K;
     let k0 = blk * 32u;
-    for (var i = 0u; i < 8u; i++) {
-        var f = vec4<f32>(0.0);
-        for (var j = 0u; j < 4u; j++) {
-            let k = k0 + 4u * i + j;
-            if k < K {
-                f[j] = x[b + k];
-            }
-        }
-        v[i] = f;
-    }
+//#repeat 8 i
+    v.v$i = xs4(b, k0 + 4u * $iu, K);
+//#endrepeat
 //#endif
     return v;
 }
 
-fn xsum(v: array<vec4<f32>, 8>) -> f32 {
-    var s = vec4<f32>(0.0);
-    for (var i = 0u; i < 8u; i++) {
-        s += v[i];
+//#if !XVEC
+fn xs4(b: u32, k: u32, K: u32) -> vec4<f32> {
+    var f = vec4<f32>(0.0);
+    if k < K {
+        f.x = x[b + k];
     }
-    return s.x + s.y + s.z + s.w;
+    if k + 1u < K {
+        f.y = x[b + k + 1u];
+    }
+    if k + 2u < K {
+        f.z = x[b + k + 2u];
+    }
+    if k + 3u < K {
+        f.w = x[b + k + 3u];
+    }
+    return f;
+}
+//#endif
+
+fn xsum(v: V8) -> f32 {
+    let s = ((v.v0 + v.v1) + (v.v2 + v.v3)) + ((v.v4 + v.v5) + (v.v6 + v.v7));
+    return (s.x + s.y) + (s.z + s.w);
 }
 
-fn blk_dot(d: Blk, xv: array<vec4<f32>, 8>, xs: f32) -> f32 {
-    var a = vec4<f32>(0.0);
-    for (var i = 0u; i < 8u; i++) {
-        a = fma(d.v[i], xv[i], a);
-    }
-    let dv = a.x + a.y + a.z + a.w;
+fn blk_dot(d: Blk, xv: V8, xs: f32) -> f32 {
+    var a = d.v.v0 * xv.v0;
+    a = fma(d.v.v1, xv.v1, a);
+    a = fma(d.v.v2, xv.v2, a);
+    a = fma(d.v.v3, xv.v3, a);
+    a = fma(d.v.v4, xv.v4, a);
+    a = fma(d.v.v5, xv.v5, a);
+    a = fma(d.v.v6, xv.v6, a);
+    a = fma(d.v.v7, xv.v7, a);
+    let dv = (a.x + a.y) + (a.z + a.w);
 //#if W_AFFINE
     return d.s * dv + d.b * xs;
 //#else
@@ -127,31 +141,88 @@ fn main(
 //#endif
         for (var rg = wid.x; rg < nrg; rg += nwg.x) {
             let r0 = rg * R;
-            var acc: array<f32, RT>;
-            for (var blk = lid; blk < nb; blk += WG) {
 //#if TT1
+            // one token: R scalar accumulators, everything unrolled
+//#repeat R r
+            var acc$r = 0.0;
+//#endrepeat
 //#if GATHER
-                let xr = select(ty, ty / p.S, p.x_bcast != 0u);
+            let xr = select(ty, ty / p.S, p.x_bcast != 0u);
 //#else
-                let xr = t0;
+            let xr = t0;
 //#endif
+//#if BP2
+            // two consecutive blocks per step (more bytes in flight per invocation); an odd
+            // last block re-reads its pair's first block and discards it
+            for (var b2 = lid; 2u * b2 < nb; b2 += WG) {
+                let blk = 2u * b2;
+                let has1 = blk + 1u < nb;
+                let blk1 = select(blk, blk + 1u, has1);
                 let xv = load_x(xr, blk, K);
                 let xs = xsum(xv);
+                let xv1 = load_x(xr, blk1, K);
+                let xs1 = xsum(xv1);
+//#repeat R r
+                let row$r = wbase + min(r0 + $ru, p.rows - 1u);
+                acc$r += blk_dot(dq_blk(row$r, blk, K), xv, xs) + select(0.0, blk_dot(dq_blk(row$r, blk1, K), xv1, xs1), has1);
+//#endrepeat
+            }
+//#else
+            for (var blk = lid; blk < nb; blk += WG) {
+                let xv = load_x(xr, blk, K);
+                let xs = xsum(xv);
+//#repeat R r
+                acc$r += blk_dot(dq_blk(wbase + min(r0 + $ru, p.rows - 1u), blk, K), xv, xs);
+//#endrepeat
+            }
 //#endif
+//#if SUBGROUP
+//#repeat R r
+            let s$r = subgroupAdd(acc$r);
+//#endrepeat
+            if g_sg_lane == 0u {
+//#repeat R r
+                red_g[g_sg_id * RT + $ru] = s$r;
+//#endrepeat
+            }
+            workgroupBarrier();
+            var tot = 0.0;
+            if lid < RT {
+                for (var j = 0u; j < g_sg_n; j++) {
+                    tot += red_g[j * RT + lid];
+                }
+            }
+//#else
+//#repeat R r
+            red_g[$ru * WG + lid] = acc$r;
+//#endrepeat
+            workgroupBarrier();
+            for (var s = WG / 2u; s > 0u; s >>= 1u) {
+                if lid < s {
+//#repeat R r
+                    red_g[$ru * WG + lid] += red_g[$ru * WG + lid + s];
+//#endrepeat
+                }
+                workgroupBarrier();
+            }
+            var tot = 0.0;
+            if lid < RT {
+                tot = red_g[lid * WG];
+            }
+//#endif
+//#else
+            // several tokens: R x TT accumulators
+            var acc: array<f32, RT>;
+            for (var blk = lid; blk < nb; blk += WG) {
                 for (var r = 0u; r < R; r++) {
                     let row = min(r0 + r, p.rows - 1u);
                     let d = dq_blk(wbase + row, blk, K);
-//#if TT1
-                    acc[r] += blk_dot(d, xv, xs);
-//#else
                     for (var t = 0u; t < TT; t++) {
                         let xt = load_x(min(t0 + t, p.T - 1u), blk, K);
                         acc[r * TT + t] += blk_dot(d, xt, xsum(xt));
                     }
-//#endif
                 }
             }
-            // Reduce the RT partial sums over the workgroup.
 //#if SUBGROUP
             for (var i = 0u; i < RT; i++) {
                 let s = subgroupAdd(acc[i]);
@@ -183,6 +254,7 @@ fn main(
             if lid < RT {
                 tot = red_g[lid * WG];
             }
+//#endif
 //#endif
             if lid < RT {
                 let row = r0 + lid / TT;

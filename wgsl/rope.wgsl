@@ -22,19 +22,6 @@ struct Params {
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
-fn mulhi(a: u32, b: u32) -> u32 {
-    let a0 = a & 0xffffu;
-    let a1 = a >> 16u;
-    let b0 = b & 0xffffu;
-    let b1 = b >> 16u;
-    let p00 = a0 * b0;
-    let p01 = a0 * b1;
-    let p10 = a1 * b0;
-    let p11 = a1 * b1;
-    let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
-    return p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
-}
-
 // (sin, cos) of `turn` (a u32 fraction of a full turn).
 fn sincos_turn(u: u32) -> vec2<f32> {
     let uu = u + 0x20000000u;

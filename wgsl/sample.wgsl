@@ -14,7 +14,7 @@
 // integers (2^-40 units), so picks agree with the CPU's f64 sums except when the draw falls
 // within ~1e-7 (relative) of a token boundary.
 //
-// Prelude consts: WG. Bindings: 0 params (V, offset of the row), 1 logits, 2 sampling
+// Prelude consts: WG; uses common.wgsl. Bindings: 0 params (V, offset of the row), 1 logits, 2 sampling
 // words u32[8] (temperature, top_k, top_p, min_p, repetition_penalty as f32 bits; seed,
 // step, n_recent), 3 recent ids (at most MAX_RECENT used), 4 out u32[1].
 
@@ -127,17 +127,6 @@ fn fx_gt(a: vec2<u32>, b: vec2<u32>) -> bool {
 
 fn fx_ge(a: vec2<u32>, b: vec2<u32>) -> bool {
     return a.y > b.y || (a.y == b.y && a.x >= b.x);
-}
-
-fn mulhi(a: u32, b: u32) -> u32 {
-    let a0 = a & 0xffffu;
-    let a1 = a >> 16u;
-    let b0 = b & 0xffffu;
-    let b1 = b >> 16u;
-    let p01 = a0 * b1;
-    let p10 = a1 * b0;
-    let mid = ((a0 * b0) >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
-    return a1 * b1 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
 }
 
 // floor(a * j / 2^sh) for j < 2^32, 24 <= sh.

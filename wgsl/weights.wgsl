@@ -5,7 +5,8 @@
 // Prelude consts: WFMT (0 affine, 1 mxfp4, 2 mxfp8, 3 nvfp4, 4 float), WBITS,
 // WGROUP, SDT (affine scale/bias dtype), FDT (float weight dtype); dtypes:
 // 0 bf16, 1 f16, 2 f32 (16-bit values packed two per u32, little-endian).
-// Flags: W_FLOAT | W_QUANT, W_AFFINE, W_NV, W_GLOBAL, W_VEC4 (fast 4/8-bit loads).
+// Flags: W_FLOAT | W_QUANT, W_AFFINE, W_GLOBAL; fast paths (K % 32 == 0, binding 8 read
+// as vec4<u32>: W_VEC4): W_FAST4 / W_FAST8 (4/8-bit codes), W_FASTBF16, W_FASTF32.
 //
 // Bindings: 8 packed weights (u32 words, or f32/bf16/f16 values), 9 scales
 // (affine: SDT values; mx/nv: u8 bytes, four per word), 10 biases (affine),
@@ -26,9 +27,32 @@
 @group(0) @binding(11) var<storage, read> wgs: array<f32>;
 //#endif
 
-// 32 decoded elements (8 x vec4); the value of element i is s * v[i] + b.
+// 32 values or codes of a block, as 8 vec4 (no arrays: the hot paths stay in registers).
+struct V8 {
+    v0: vec4<f32>,
+    v1: vec4<f32>,
+    v2: vec4<f32>,
+    v3: vec4<f32>,
+    v4: vec4<f32>,
+    v5: vec4<f32>,
+    v6: vec4<f32>,
+    v7: vec4<f32>,
+}
+
+struct U8 {
+    v0: vec4<u32>,
+    v1: vec4<u32>,
+    v2: vec4<u32>,
+    v3: vec4<u32>,
+    v4: vec4<u32>,
+    v5: vec4<u32>,
+    v6: vec4<u32>,
+    v7: vec4<u32>,
+}
+
+// 32 decoded elements; the value of element i is s * v[i] + b.
 struct Blk {
-    v: array<vec4<f32>, 8>,
+    v: V8,
     s: f32,
     b: f32,
 }
@@ -157,60 +181,146 @@ fn oct_codes(row: u32, o: u32, K: u32) -> array<vec4<u32>, 2> {
 }
 
 // Codes of block `blk` (elements 32blk..32blk+31) of `row`; octets at or past K read as 0.
-fn blk_codes(row: u32, blk: u32, K: u32) -> array<vec4<u32>, 8> {
-    var c: array<vec4<u32>, 8>;
+fn blk_codes(row: u32, blk: u32, K: u32) -> U8 {
+    var c: U8;
 //#if W_FAST4
     // 4 bits: one vec4 of words per block; K % 32 == 0.
     let v = wq[row * (K >> 5u) + blk];
-    for (var i = 0u; i < 4u; i++) {
-        let w = vec4<u32>(v[i]);
-        c[2u * i] = (w >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
-        c[2u * i + 1u] = (w >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u);
-    }
+    let lo = vec4<u32>(0u, 4u, 8u, 12u);
+    let hi = vec4<u32>(16u, 20u, 24u, 28u);
+    let m = vec4<u32>(15u);
+    c.v0 = (vec4<u32>(v.x) >> lo) & m;
+    c.v1 = (vec4<u32>(v.x) >> hi) & m;
+    c.v2 = (vec4<u32>(v.y) >> lo) & m;
+    c.v3 = (vec4<u32>(v.y) >> hi) & m;
+    c.v4 = (vec4<u32>(v.z) >> lo) & m;
+    c.v5 = (vec4<u32>(v.z) >> hi) & m;
+    c.v6 = (vec4<u32>(v.w) >> lo) & m;
+    c.v7 = (vec4<u32>(v.w) >> hi) & m;
 //#elif W_FAST8
     // 8 bits: two vec4 of words per block; K % 32 == 0.
     let base = row * (K >> 4u) + 2u * blk;
     let v0 = wq[base];
     let v1 = wq[base + 1u];
-    for (var i = 0u; i < 4u; i++) {
-        c[i] = (vec4<u32>(v0[i]) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(255u);
-        c[4u + i] = (vec4<u32>(v1[i]) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(255u);
-    }
+    let sh = vec4<u32>(0u, 8u, 16u, 24u);
+    let m = vec4<u32>(255u);
+    c.v0 = (vec4<u32>(v0.x) >> sh) & m;
+    c.v1 = (vec4<u32>(v0.y) >> sh) & m;
+    c.v2 = (vec4<u32>(v0.z) >> sh) & m;
+    c.v3 = (vec4<u32>(v0.w) >> sh) & m;
+    c.v4 = (vec4<u32>(v1.x) >> sh) & m;
+    c.v5 = (vec4<u32>(v1.y) >> sh) & m;
+    c.v6 = (vec4<u32>(v1.z) >> sh) & m;
+    c.v7 = (vec4<u32>(v1.w) >> sh) & m;
 //#else
-    for (var j = 0u; j < 4u; j++) {
-        let o = blk * 4u + j;
-        if o * 8u < K {
-            let q = oct_codes(row, o, K);
-            c[2u * j] = q[0];
-            c[2u * j + 1u] = q[1];
-        }
+    let o = blk * 4u;
+    if o * 8u < K {
+        let q = oct_codes(row, o, K);
+        c.v0 = q[0];
+        c.v1 = q[1];
+    }
+    if o * 8u + 8u < K {
+        let q = oct_codes(row, o + 1u, K);
+        c.v2 = q[0];
+        c.v3 = q[1];
+    }
+    if o * 8u + 16u < K {
+        let q = oct_codes(row, o + 2u, K);
+        c.v4 = q[0];
+        c.v5 = q[1];
+    }
+    if o * 8u + 24u < K {
+        let q = oct_codes(row, o + 3u, K);
+        c.v6 = q[0];
+        c.v7 = q[1];
     }
 //#endif
     return c;
+}
+
+// 4 float weights at elements e0 + 0..3 of the chunk (zeros at or past K within the row).
+fn wf4(e0: u32, k0: u32, K: u32) -> vec4<f32> {
+    var f = vec4<f32>(0.0);
+    if k0 < K {
+        f.x = wf_at(e0);
+    }
+    if k0 + 1u < K {
+        f.y = wf_at(e0 + 1u);
+    }
+    if k0 + 2u < K {
+        f.z = wf_at(e0 + 2u);
+    }
+    if k0 + 3u < K {
+        f.w = wf_at(e0 + 3u);
+    }
+    return f;
+}
+
+// Four bf16 values packed in two words.
+fn bf16x4(a: u32, b: u32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(vec4<u32>(a << 16u, a & 0xffff0000u, b << 16u, b & 0xffff0000u));
 }
 
 // Block `blk` of `row` in deferred form (value = s * v + b). Elements at or past K
 // hold arbitrary finite values: callers mask the activations instead.
 fn dq_blk(row: u32, blk: u32, K: u32) -> Blk {
     var r: Blk;
-//#if W_FLOAT
-    let e0 = row * K + blk * 32u;
-    for (var i = 0u; i < 8u; i++) {
-        var f = vec4<f32>(0.0);
-        for (var j = 0u; j < 4u; j++) {
-            if blk * 32u + 4u * i + j < K {
-                f[j] = wf_at(e0 + 4u * i + j);
-            }
-        }
-        r.v[i] = f;
-    }
+//#if W_FASTF32
+    // f32 weights, K % 32 == 0: eight vec4 loads
+    let base = row * (K >> 2u) + 8u * blk;
+//#repeat 8 i
+    r.v.v$i = bitcast<vec4<f32>>(wq[base + $iu]);
+//#endrepeat
     r.s = 1.0;
     r.b = 0.0;
+//#elif W_FASTBF16
+    // bf16 weights, K % 32 == 0: four vec4 loads; word k holds elements 2k (low) and 2k+1
+    let base = row * (K >> 3u) + 4u * blk;
+//#repeat 4 i
+    let w$i = wq[base + $iu];
+//#endrepeat
+    r.v.v0 = bf16x4(w0.x, w0.y);
+    r.v.v1 = bf16x4(w0.z, w0.w);
+    r.v.v2 = bf16x4(w1.x, w1.y);
+    r.v.v3 = bf16x4(w1.z, w1.w);
+    r.v.v4 = bf16x4(w2.x, w2.y);
+    r.v.v5 = bf16x4(w2.z, w2.w);
+    r.v.v6 = bf16x4(w3.x, w3.y);
+    r.v.v7 = bf16x4(w3.z, w3.w);
+    r.s = 1.0;
+    r.b = 0.0;
+//#elif W_FLOAT
+    let k0 = blk * 32u;
+    let e0 = row * K + k0;
+//#repeat 8 i
+    r.v.v$i = wf4(e0 + 4u * $iu, k0 + 4u * $iu, K);
+//#endrepeat
+    r.s = 1.0;
+    r.b = 0.0;
+//#elif W_FAST4 && W_AFFINE
+    // affine 4-bit: each nibble q becomes the f32 1 + q/16 with one shift and one
+    // and-or (bits placed in the mantissa); value = s*q + b = 16s * (1 + q/16) + (b - 16s).
+    let v = wq[row * (K >> 5u) + blk];
+    let sl = vec4<u32>(19u, 15u, 11u, 7u);
+    let mk = vec4<u32>(0x00780000u);
+    let one = vec4<u32>(0x3f800000u);
+    r.v.v0 = bitcast<vec4<f32>>(((vec4<u32>(v.x) << sl) & mk) | one);
+    r.v.v1 = bitcast<vec4<f32>>(((vec4<u32>(v.x >> 16u) << sl) & mk) | one);
+    r.v.v2 = bitcast<vec4<f32>>(((vec4<u32>(v.y) << sl) & mk) | one);
+    r.v.v3 = bitcast<vec4<f32>>(((vec4<u32>(v.y >> 16u) << sl) & mk) | one);
+    r.v.v4 = bitcast<vec4<f32>>(((vec4<u32>(v.z) << sl) & mk) | one);
+    r.v.v5 = bitcast<vec4<f32>>(((vec4<u32>(v.z >> 16u) << sl) & mk) | one);
+    r.v.v6 = bitcast<vec4<f32>>(((vec4<u32>(v.w) << sl) & mk) | one);
+    r.v.v7 = bitcast<vec4<f32>>(((vec4<u32>(v.w >> 16u) << sl) & mk) | one);
+    let g = row * (K / WGROUP) + blk * 32u / WGROUP;
+    let sc = w_scale(g);
+    r.s = 16.0 * sc;
+    r.b = w_bias(g) - 16.0 * sc;
 //#else
     let c = blk_codes(row, blk, K);
-    for (var i = 0u; i < 8u; i++) {
-        r.v[i] = code_vals(c[i]);
-    }
+//#repeat 8 i
+    r.v.v$i = code_vals(c.v$i);
+//#endrepeat
     let G = K / WGROUP;
     if WGROUP >= 32u {
         let g = row * G + blk * 32u / WGROUP;
@@ -224,10 +334,14 @@ fn dq_blk(row: u32, blk: u32, K: u32) -> Blk {
         if blk * 32u + 16u < K {
             s1 = w_scale(g + 1u);
         }
-        for (var i = 0u; i < 4u; i++) {
-            r.v[i] *= s0;
-            r.v[4u + i] *= s1;
-        }
+        r.v.v0 *= s0;
+        r.v.v1 *= s0;
+        r.v.v2 *= s0;
+        r.v.v3 *= s0;
+        r.v.v4 *= s1;
+        r.v.v5 *= s1;
+        r.v.v6 *= s1;
+        r.v.v7 *= s1;
         r.s = 1.0;
         r.b = 0.0;
     }

@@ -42,6 +42,8 @@ const SAMPLE: &str = include_str!("../../wgsl/sample.wgsl");
 
 /// From this many tokens on, a plain matmul uses the tiled GEMM instead of the GEMV.
 pub const GEMM_MIN_T: usize = 8;
+/// Whether the one-token GEMV walks two blocks per step by default (`MARKBASE_GEMV_BP2=0|1`).
+pub const GEMV_BP2: bool = false;
 /// Largest head dim the attention kernel takes.
 pub const MAX_HEAD_DIM: usize = 512;
 /// Largest rotary pair count of the rope params table.
@@ -62,8 +64,9 @@ fn dt_code(t: FloatType) -> u32 {
 /// One specialization of a kernel family (its prelude consts and flags).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
-    /// `wg` invocations, `rows` rows and `tt` tokens per workgroup; `xvec`: K % 32 == 0.
-    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool },
+    /// `wg` invocations, `rows` rows and `tt` tokens per workgroup; `xvec`: K % 32 == 0;
+    /// `bp2`: two 32-element blocks per invocation and step (`tt == 1` only).
+    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool },
     Gemm { fmt: GpuFormat },
     Embed { fmt: GpuFormat },
     RmsNorm { w: Option<FloatType> },
@@ -99,6 +102,8 @@ fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Sou
     let bits = if fmt.is_quantized() { fmt.bits() } else { 16 };
     let fast4 = fast && k_mult32 && fmt.is_quantized() && bits == 4;
     let fast8 = fast && k_mult32 && fmt.is_quantized() && bits == 8;
+    let fast_bf16 = fast && k_mult32 && fmt == GpuFormat::Float(FloatType::Bf16);
+    let fast_f32 = fast && k_mult32 && fmt == GpuFormat::Float(FloatType::F32);
     src.c("WFMT", wfmt)
         .c("WBITS", bits)
         .c("WGROUP", fmt.group())
@@ -110,7 +115,9 @@ fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Sou
         .flag("W_GLOBAL", fmt.has_global())
         .flag("W_FAST4", fast4)
         .flag("W_FAST8", fast8)
-        .flag("W_VEC4", fast4 || fast8)
+        .flag("W_FASTBF16", fast_bf16)
+        .flag("W_FASTF32", fast_f32)
+        .flag("W_VEC4", fast4 || fast8 || fast_bf16 || fast_f32)
 }
 
 impl KernelSpec {
@@ -121,9 +128,10 @@ impl KernelSpec {
 
     pub fn name(&self) -> String {
         match self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec } => format!(
-                "gemv[{} wg{wg} r{rows} t{tt}{}{}]",
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2 } => format!(
+                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}]",
                 fmt.describe(),
+                if *bp2 { " bp2" } else { "" },
                 if *gather { " gather" } else { "" },
                 if *xvec { "" } else { " masked" }
             ),
@@ -150,7 +158,7 @@ impl KernelSpec {
     pub fn source(&self, subgroups: bool) -> Source {
         let sg = subgroups && self.uses_subgroups();
         match *self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec } => {
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2 } => {
                 let s = Source::new(&[COMMON, WEIGHTS, GEMV])
                     .c("WG", wg)
                     .c("R", rows)
@@ -159,7 +167,8 @@ impl KernelSpec {
                     .flag("SUBGROUP", sg)
                     .flag("GATHER", gather)
                     .flag("XVEC", xvec)
-                    .flag("TT1", tt == 1);
+                    .flag("TT1", tt == 1)
+                    .flag("BP2", bp2 && tt == 1);
                 weight_source(s, fmt, true, xvec)
             }
             KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false),
@@ -192,7 +201,7 @@ impl KernelSpec {
             KernelSpec::WeightedSum => Source::new(&[COMMON, ROUTING]).c("WG", ELEM_WG).c("SDT", 2).flag("WSUM", true),
             KernelSpec::Copy => Source::new(&[COMMON, COPY]).c("WG", ELEM_WG),
             KernelSpec::Argmax { wg } => Source::new(&[COMMON, ARGMAX]).c("WG", wg),
-            KernelSpec::Sample => Source::new(&[SAMPLE]).c("WG", 128),
+            KernelSpec::Sample => Source::new(&[COMMON, SAMPLE]).c("WG", 128),
         }
     }
 
@@ -203,7 +212,12 @@ impl KernelSpec {
         for &fmt in &fmts {
             for (tt, gather) in [(1, false), (3, false), (1, true)] {
                 for xvec in [true, false] {
-                    v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec });
+                    for bp2 in [false, true] {
+                        if bp2 && tt != 1 {
+                            continue;
+                        }
+                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2 });
+                    }
                 }
             }
             v.push(KernelSpec::Gemm { fmt });
@@ -250,22 +264,45 @@ pub fn all_formats() -> Vec<GpuFormat> {
     v
 }
 
+/// Runtime checks wgpu/naga inject into the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShaderChecks {
+    /// wgpu's default: bounds checks, loop bounding, integer-division guards.
+    All,
+    /// Bounds checks only (no loop bounding, no division guards): every kernel's loops
+    /// have bounds from its params, and the divisors are shapes (never zero).
+    BoundsOnly,
+    /// No injected checks (`ShaderRuntimeChecks::unchecked`).
+    None,
+}
+
+impl ShaderChecks {
+    /// `MARKBASE_SHADER_CHECKS=all|bounds|none`, or `MARKBASE_UNCHECKED=1` for `none`; default `all`.
+    pub fn from_env() -> ShaderChecks {
+        if std::env::var("MARKBASE_UNCHECKED").is_ok_and(|v| v == "1") {
+            return ShaderChecks::None;
+        }
+        match std::env::var("MARKBASE_SHADER_CHECKS").as_deref() {
+            Ok("none") => ShaderChecks::None,
+            Ok("bounds") => ShaderChecks::BoundsOnly,
+            _ => ShaderChecks::All,
+        }
+    }
+}
+
 /// How pipelines are built.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelOptions {
     /// Use the subgroup variants (requires the device's SUBGROUP feature).
     pub subgroups: bool,
-    /// Shader modules without runtime bounds checks (`create_shader_module_trusted`).
-    pub unchecked: bool,
+    /// Injected runtime checks; anything but `All` goes through `create_shader_module_trusted`.
+    pub checks: ShaderChecks,
 }
 
 impl KernelOptions {
-    /// Subgroups when the device has them; bounds checks unless `MARKBASE_UNCHECKED=1`.
+    /// Subgroups when the device has them; checks from [`ShaderChecks::from_env`].
     pub fn for_gpu(gpu: &Gpu) -> Self {
-        KernelOptions {
-            subgroups: gpu.info.subgroups,
-            unchecked: std::env::var("MARKBASE_UNCHECKED").is_ok_and(|v| v == "1"),
-        }
+        KernelOptions { subgroups: gpu.info.subgroups, checks: ShaderChecks::from_env() }
     }
 }
 
@@ -367,13 +404,17 @@ impl Kernels {
         let dev = &self.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(text.as_str().into()) };
-        let module = if self.opts.unchecked {
-            // SAFETY: the kernels index only inside their bound buffers for params that
-            // the launchers produce (every index is guarded by the shape in the params);
-            // this is opt-in (MARKBASE_UNCHECKED=1) and covered by the CI tests with checks on.
-            unsafe { dev.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
-        } else {
-            dev.create_shader_module(desc)
+        let module = match self.opts.checks {
+            ShaderChecks::All => dev.create_shader_module(desc),
+            checks => {
+                let mut rc = wgpu::ShaderRuntimeChecks::unchecked();
+                rc.bounds_checks = checks == ShaderChecks::BoundsOnly;
+                // SAFETY: every kernel loop is bounded by its params, integer divisors are
+                // shapes the launchers check to be non-zero, and (for `None`) every index is
+                // guarded by the shape in the params. Opt-in (MARKBASE_SHADER_CHECKS /
+                // MARKBASE_UNCHECKED); CI runs the default, fully checked modules.
+                unsafe { dev.create_shader_module_trusted(desc, rc) }
+            }
         };
         let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
             .iter()
@@ -422,14 +463,27 @@ impl Kernels {
         let gemv = gather || t < GEMM_MIN_T;
         let spec = if gemv {
             let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
-            let rows = if tt == 1 { 8 } else { 4 };
+            let envu = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+            // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two)
+            // 8 rows per workgroup measured best for affine and float weights on the H200;
+            // the fp4/fp8 decoders (per-element selects) run out of registers there: 2
+            let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
+            let rows = envu("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else if tt == 1 { 8 } else { 4 });
+            let bp2 = tt == 1 && envu("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
             let nblk = div_ceil(k, 32) as u32;
+            let steps = if bp2 { nblk.div_ceil(2) } else { nblk };
             let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
-            let wg = nblk.next_power_of_two().clamp(32, max_wg);
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec }
+            let wg = envu("MARKBASE_GEMV_WG").unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg);
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2 }
         } else {
             KernelSpec::Gemm { fmt }
         };
+        self.matmul_spec(spec)
+    }
+
+    /// A matmul launcher for an explicit `Gemv`/`Gemm` spec (tests, tuning).
+    pub fn matmul_spec(&self, spec: KernelSpec) -> Result<MatMulKernel, GpuError> {
+        assert!(matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::Gemm { .. }), "not a matmul spec: {spec:?}");
         Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
     }
 

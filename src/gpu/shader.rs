@@ -4,6 +4,9 @@
 //! Preprocessor lines (the whole line, leading spaces allowed):
 //! `//#if FLAG`, `//#if !FLAG`, `//#if A || B`, `//#if A && B`, `//#elif ...`,
 //! `//#else`, `//#endif`. Flags are names set by the Rust side; nesting is allowed.
+//! `//#repeat N VAR` ... `//#endrepeat` emits the enclosed lines N times (N a number or a
+//! prelude const), with `$VAR` replaced by 0, 1, ... (textual unrolling: WGSL has no
+//! unroll attribute, and naga's loop bounding keeps drivers from unrolling loops).
 
 use std::collections::BTreeSet;
 
@@ -38,7 +41,7 @@ impl Source {
             out.push_str(&format!("const {n}: u32 = {v}u;\n"));
         }
         for f in &self.files {
-            out.push_str(&preprocess(f, &self.flags));
+            out.push_str(&preprocess_with(f, &self.flags, &self.consts));
             out.push('\n');
         }
         out
@@ -63,11 +66,17 @@ fn eval(cond: &str, flags: &BTreeSet<String>) -> bool {
 /// Applies the `//#if` lines. Panics on unbalanced directives (a bug in a .wgsl file,
 /// caught by the naga target test).
 pub fn preprocess(src: &str, flags: &BTreeSet<String>) -> String {
+    preprocess_with(src, flags, &[])
+}
+
+/// [`preprocess`] with `//#repeat` counts resolved against `consts`.
+pub fn preprocess_with(src: &str, flags: &BTreeSet<String>, consts: &[(String, u32)]) -> String {
+    let expanded = expand_repeats(src, consts);
     // Stack of (this branch active, some branch of this if already taken, parent active).
     let mut stack: Vec<(bool, bool, bool)> = Vec::new();
     let mut active = true;
-    let mut out = String::with_capacity(src.len());
-    for line in src.lines() {
+    let mut out = String::with_capacity(expanded.len());
+    for line in expanded.lines() {
         let t = line.trim_start();
         if let Some(rest) = t.strip_prefix("//#if ") {
             let c = eval(rest, flags);
@@ -99,6 +108,47 @@ pub fn preprocess(src: &str, flags: &BTreeSet<String>) -> String {
         }
     }
     assert!(stack.is_empty(), "unterminated //#if");
+    out
+}
+
+/// Expands `//#repeat N VAR` blocks (innermost last, so nested repeats see outer indices).
+fn expand_repeats(src: &str, consts: &[(String, u32)]) -> String {
+    let lines: Vec<&str> = src.lines().collect();
+    let mut out = String::with_capacity(src.len());
+    let mut i = 0;
+    while i < lines.len() {
+        let t = lines[i].trim_start();
+        if let Some(rest) = t.strip_prefix("//#repeat ") {
+            let mut parts = rest.split_whitespace();
+            let n = parts.next().expect("//#repeat N VAR");
+            let var = parts.next().expect("//#repeat N VAR");
+            let n: u32 = n.parse().unwrap_or_else(|_| {
+                consts.iter().find(|(c, _)| c == n).unwrap_or_else(|| panic!("//#repeat: unknown count {n}")).1
+            });
+            // find the matching end
+            let mut depth = 1;
+            let mut j = i + 1;
+            while depth > 0 {
+                let tj = lines.get(j).expect("unterminated //#repeat").trim_start();
+                if tj.starts_with("//#repeat ") {
+                    depth += 1;
+                } else if tj.starts_with("//#endrepeat") {
+                    depth -= 1;
+                }
+                j += 1;
+            }
+            let body = lines[i + 1..j - 1].join("\n");
+            let pat = format!("${var}");
+            for k in 0..n {
+                out.push_str(&expand_repeats(&body.replace(&pat, &k.to_string()), consts));
+            }
+            i = j;
+            continue;
+        }
+        out.push_str(lines[i]);
+        out.push('\n');
+        i += 1;
+    }
     out
 }
 
@@ -149,5 +199,12 @@ mod tests {
         assert_eq!(f(&["Z"]), "a\ne\ng\n");
         assert_eq!(f(&[]), "a\nf\ng\n");
         assert_eq!(f(&["X", "Z"]), "a\nb\nc\ng\n");
+    }
+
+    #[test]
+    fn repeat_expansion() {
+        let src = "x\n//#repeat 2 i\na$i\n//#repeat N j\nb$i$j\n//#endrepeat\n//#endrepeat\ny\n";
+        let out = preprocess_with(src, &BTreeSet::new(), &[("N".to_string(), 3)]);
+        assert_eq!(out, "x\na0\nb00\nb01\nb02\na1\nb10\nb11\nb12\ny\n");
     }
 }
