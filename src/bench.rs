@@ -194,7 +194,6 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
                     if matches!(c.graph.node(*n).op(), Some(Op::MatMul)) {
                         mm_s += s;
                     }
-                    let _ = n;
                 }
                 for n in c.graph.op_nodes() {
                     if matches!(c.graph.node(n).op(), Some(Op::MatMul)) {

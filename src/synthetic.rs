@@ -169,9 +169,7 @@ pub fn random_weight(p: &WeightParam, seed: u64, one_plus_w_norms: bool) -> Weig
         }
         WeightFormat::Float { .. } => {
             let is_norm = p.name.contains("norm") || p.name.ends_with("router.scale");
-            let bytes = if p.name.ends_with("layer_scalar") {
-                bf16_fill(numel, |_| 1.0)
-            } else if p.name.ends_with("per_expert_scale") {
+            let bytes = if p.name.ends_with("layer_scalar") || p.name.ends_with("per_expert_scale") {
                 bf16_fill(numel, |_| 1.0)
             } else if is_norm {
                 let base = if one_plus_w_norms { 0.0 } else { 1.0 };
