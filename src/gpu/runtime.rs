@@ -287,6 +287,15 @@ impl GpuExecutor {
                     }
                     Op::Rope { theta, factor, rotary_pairs } => {
                         let s = &node.ty.shape;
+                        if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
+                            return Err(format!(
+                                "node %{} {}: {} rotary pairs exceed the kernel's {} (head dim too large)",
+                                node.id,
+                                node.name,
+                                rotary_pairs,
+                                crate::gpu::kernels::MAX_ROPE_PAIRS
+                            ));
+                        }
                         let k = self.kernels.rope().map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs)));
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
