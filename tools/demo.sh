@@ -15,4 +15,5 @@ tools/setup-real-model.sh
 cargo build --release
 prompt="${1:-The capital of France is}"
 shift || true
-exec ./target/release/markbase generate -m models/gemma3-270m-q4 -p "$prompt" --max-tokens 48 "$@"
+[ $# -gt 0 ] || set -- --max-tokens 48
+exec ./target/release/markbase generate -m models/gemma3-270m-q4 -p "$prompt" "$@"
