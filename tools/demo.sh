@@ -6,11 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu-env.sh
-cache="${MARKBASE_MODEL_CACHE:-$HOME/.cache/markbase/models}"
-if [ ! -e models ]; then
-  mkdir -p "$cache"
-  ln -s "$cache" models
-fi
+source tools/model-cache.sh
 tools/setup-real-model.sh
 cargo build --release
 prompt="${1:-The capital of France is}"

@@ -7,11 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu-env.sh
-# The converted real model is cached per machine (models/ links to the cache).
-cache="${MARKBASE_MODEL_CACHE:-$HOME/.cache/markbase/models}"
-if [ ! -e models ]; then
-  mkdir -p "$cache"
-  ln -s "$cache" models
-fi
+source tools/model-cache.sh
 tools/setup-real-model.sh
 cargo test --release --workspace "$@"

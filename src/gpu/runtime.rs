@@ -583,10 +583,9 @@ impl GpuExecutor {
         let logits_buf = Self::value_buffer(p, c, p.logits);
         let mut stats = StepStats { phases: p.phases.len(), ..Default::default() };
         let mut submitted: Option<wgpu::SubmissionIndex> = None;
-        if self.check_nan {
-            self.run_checked(p, c)?;
-            stats.submits = p.phases.iter().map(|ph| ph.len()).sum();
-            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+        // The end of a step: the token to its readback slot (and to the graph's own
+        // input, for the next pipelined step), the logits when asked for.
+        let outputs = |enc: &mut wgpu::CommandEncoder| {
             enc.copy_buffer_to_buffer(&token_buf, 0, token_staging, 0, 4);
             if let Some(f) = feedback {
                 enc.copy_buffer_to_buffer(&token_buf, 0, f, 0, 4);
@@ -594,6 +593,12 @@ impl GpuExecutor {
             if want_logits {
                 enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
             }
+        };
+        if self.check_nan {
+            self.run_checked(p, c)?;
+            stats.submits = p.phases.iter().map(|ph| ph.len()).sum();
+            let mut enc = self.gpu.device.create_command_encoder(&Default::default());
+            outputs(&mut enc);
             submitted = Some(q.submit([enc.finish()]));
         } else {
             let last = p.phases.len() - 1;
@@ -629,13 +634,7 @@ impl GpuExecutor {
                         enc.resolve_query_set(&q.set, 0..q.count, &q.resolve, 0);
                         enc.copy_buffer_to_buffer(&q.resolve, 0, &q.staging, 0, q.count as u64 * 8);
                     }
-                    enc.copy_buffer_to_buffer(&token_buf, 0, token_staging, 0, 4);
-                    if let Some(f) = feedback {
-                        enc.copy_buffer_to_buffer(&token_buf, 0, f, 0, 4);
-                    }
-                    if want_logits {
-                        enc.copy_buffer_to_buffer(&logits_buf, 0, &p.logits_staging, 0, p.logits_bytes);
-                    }
+                    outputs(&mut enc);
                 }
                 submitted = Some(q.submit([enc.finish()]));
                 stats.submits += 1;
