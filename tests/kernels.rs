@@ -705,55 +705,21 @@ fn adapter_info_and_backend_parsing() {
 // ------------------------------------------------------------------ sampling
 
 
-/// `cpu::ops::sample`'s inverse-CDF stage, replicated to measure how far (relative to the
+/// `cpu::ops::sample`'s inverse-CDF stage over the same distribution, measuring how far (relative to the
 /// kept mass) the uniform draw `u` lies from the CDF interval of token `g`: 0 when `g` is
 /// the CPU's own pick. `None` when `g` is not kept.
 fn cdf_distance(logits: &[f32], params: &[u32; 8], recent: &[u32], g: u32) -> Option<f64> {
-    let f = f32::from_bits;
-    let (temp, top_k, top_p, min_p, pen) = (f(params[0]), params[1], f(params[2]), f(params[3]), f(params[4]));
-    let mut l = logits.to_vec();
-    if pen != 1.0 && pen > 0.0 {
-        let mut ids: Vec<u32> = recent[..(params[7] as usize).min(recent.len())].to_vec();
-        ids.sort_unstable();
-        ids.dedup();
-        for id in ids {
-            if let Some(v) = l.get_mut(id as usize) {
-                *v = if *v < 0.0 { *v * pen } else { *v / pen };
-            }
-        }
-    }
-    if temp <= 0.0 {
-        return Some(if cpu::argmax(&l) == g { 0.0 } else { f64::INFINITY });
-    }
-    let z: Vec<f32> = l.iter().map(|v| v / temp).collect();
-    let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut s = z.clone();
-    s.sort_by(|a, b| b.total_cmp(a));
-    let mut thr = f32::NEG_INFINITY;
-    if top_k > 0 && (top_k as usize) < z.len() {
-        thr = thr.max(s[top_k as usize - 1]);
-    }
-    if min_p > 0.0 {
-        thr = thr.max(m + min_p.ln());
-    }
-    if top_p < 1.0 {
-        let total: f64 = s.iter().map(|&v| ((v - m) as f64).exp()).sum();
-        let mut acc = 0f64;
-        for &v in &s {
-            acc += ((v - m) as f64).exp();
-            if acc >= top_p as f64 * total {
-                thr = thr.max(v);
-                break;
-            }
-        }
-    }
-    let kept: f64 = z.iter().filter(|&&v| v >= thr).map(|&v| ((v - m) as f64).exp()).sum();
+    let d = match cpu::sample_distribution(logits, params, recent) {
+        cpu::SampleDistribution::Greedy(t) => return Some(if t == g { 0.0 } else { f64::INFINITY }),
+        cpu::SampleDistribution::Kept(d) => d,
+    };
+    let kept = d.kept_mass();
     let u = cpu::uniform(params[5], params[6]) as f64 * kept;
     let mut acc = 0f64;
-    for (i, &v) in z.iter().enumerate() {
-        if v >= thr {
+    for (i, &v) in d.z.iter().enumerate() {
+        if v >= d.threshold {
             let lo = acc;
-            acc += ((v - m) as f64).exp();
+            acc += d.weight(v);
             if i as u32 == g {
                 return Some(if u < lo { (lo - u) / kept } else if u >= acc { (u - acc) / kept } else { 0.0 });
             }

@@ -334,9 +334,55 @@ impl SampleParams {
 /// top-p: the smallest value threshold whose kept mass reaches `top_p`), then the
 /// inverse-CDF pick at `uniform(seed, step)` in index order.
 pub fn sample(logits: &[f32], params: &[u32; 8], recent: &[u32]) -> u32 {
+    let d = match sample_distribution(logits, params, recent) {
+        SampleDistribution::Greedy(t) => return t,
+        SampleDistribution::Kept(d) => d,
+    };
+    let u = uniform(params[5], params[6]) as f64 * d.kept_mass();
+    let mut acc = 0f64;
+    let mut last = 0u32;
+    for (i, &v) in d.z.iter().enumerate() {
+        if v >= d.threshold {
+            acc += d.weight(v);
+            last = i as u32;
+            if acc > u {
+                return i as u32;
+            }
+        }
+    }
+    last
+}
+
+/// What `Op::Sample` draws from: the greedy token at temperature 0, else the
+/// scaled logits and the value threshold of the enabled filters.
+pub enum SampleDistribution {
+    Greedy(u32),
+    Kept(KeptTokens),
+}
+
+/// `z = l / T` (penalized logits), its max `m`, and the threshold a token's `z` must reach.
+pub struct KeptTokens {
+    pub z: Vec<f32>,
+    pub m: f32,
+    pub threshold: f32,
+}
+
+impl KeptTokens {
+    /// Unnormalized probability of a kept value.
+    pub fn weight(&self, v: f32) -> f64 {
+        ((v - self.m) as f64).exp()
+    }
+    /// Total weight of the kept tokens.
+    pub fn kept_mass(&self) -> f64 {
+        self.z.iter().filter(|&&v| v >= self.threshold).map(|&v| self.weight(v)).sum()
+    }
+}
+
+/// Repetition penalty, temperature and the top-k / min-p / top-p threshold of `Op::Sample`.
+pub fn sample_distribution(logits: &[f32], params: &[u32; 8], recent: &[u32]) -> SampleDistribution {
     let f = f32::from_bits;
     let (temp, top_k, top_p, min_p, pen) = (f(params[0]), params[1], f(params[2]), f(params[3]), f(params[4]));
-    let (seed, step, n_recent) = (params[5], params[6], params[7] as usize);
+    let n_recent = params[7] as usize;
     let mut l = logits.to_vec();
     if pen != 1.0 && pen > 0.0 {
         let mut ids: Vec<u32> = recent[..n_recent.min(recent.len())].to_vec();
@@ -349,44 +395,32 @@ pub fn sample(logits: &[f32], params: &[u32; 8], recent: &[u32]) -> u32 {
         }
     }
     if temp <= 0.0 {
-        return argmax(&l);
+        return SampleDistribution::Greedy(argmax(&l));
     }
     let z: Vec<f32> = l.iter().map(|v| v / temp).collect();
     let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut thr = f32::NEG_INFINITY;
-    if top_k > 0 && (top_k as usize) < z.len() {
-        let mut s = z.clone();
-        s.sort_by(|a, b| b.total_cmp(a));
-        thr = thr.max(s[top_k as usize - 1]);
+    let mut threshold = f32::NEG_INFINITY;
+    let top_k_on = top_k > 0 && (top_k as usize) < z.len();
+    if top_k_on || top_p < 1.0 {
+        let mut sorted = z.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if top_k_on {
+            threshold = threshold.max(sorted[top_k as usize - 1]);
+        }
+        if top_p < 1.0 {
+            let total: f64 = sorted.iter().map(|&v| ((v - m) as f64).exp()).sum();
+            let mut acc = 0f64;
+            for &v in &sorted {
+                acc += ((v - m) as f64).exp();
+                if acc >= top_p as f64 * total {
+                    threshold = threshold.max(v);
+                    break;
+                }
+            }
+        }
     }
     if min_p > 0.0 {
-        thr = thr.max(m + min_p.ln());
+        threshold = threshold.max(m + min_p.ln());
     }
-    if top_p < 1.0 {
-        let mut s: Vec<f32> = z.clone();
-        s.sort_by(|a, b| b.total_cmp(a));
-        let total: f64 = s.iter().map(|&v| ((v - m) as f64).exp()).sum();
-        let mut acc = 0f64;
-        for &v in &s {
-            acc += ((v - m) as f64).exp();
-            if acc >= top_p as f64 * total {
-                thr = thr.max(v);
-                break;
-            }
-        }
-    }
-    let kept: f64 = z.iter().filter(|&&v| v >= thr).map(|&v| ((v - m) as f64).exp()).sum();
-    let u = uniform(seed, step) as f64 * kept;
-    let mut acc = 0f64;
-    let mut last = 0u32;
-    for (i, &v) in z.iter().enumerate() {
-        if v >= thr {
-            acc += ((v - m) as f64).exp();
-            last = i as u32;
-            if acc > u {
-                return i as u32;
-            }
-        }
-    }
-    last
+    SampleDistribution::Kept(KeptTokens { z, m, threshold })
 }
