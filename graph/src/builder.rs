@@ -127,6 +127,15 @@ struct B<'a> {
 }
 
 impl<'a> B<'a> {
+    /// A builder over a new graph with its token and position inputs; returns the token input.
+    fn new(cfg: &'a ModelConfig, res: &'a dyn WeightResolver, o: &BuildOptions) -> (Self, NodeIndex) {
+        let mut g = Graph::new(o.tokens, o.kind);
+        let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[o.tokens]));
+        let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[o.tokens]));
+        let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
+        (B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32 }, tokens)
+    }
+
     fn w(&mut self, rel: &str, layer: Option<usize>, shape: &[usize], module: bool) -> NodeIndex {
         let name = format!("{}{}", self.prefix, rel);
         let format = self.res.format(&name, shape, module);
@@ -173,6 +182,28 @@ impl<'a> B<'a> {
     fn add(&mut self, name: &str, layer: Option<usize>, a: NodeIndex, b: NodeIndex) -> Result<NodeIndex, BuildError> {
         self.op(name, layer, Op::Binary { f: BinaryOp::Add }, &[a, b])
     }
+
+    /// Attention of layer `i` over its (or its KV source's) caches, the output
+    /// projection and its norm, added to the residual `x`.
+    fn attention_block(&mut self, i: usize, x: NodeIndex, q: NodeIndex, kv: (NodeIndex, NodeIndex), conv: NormScale) -> Result<NodeIndex, BuildError> {
+        let (l, cfg) = (Some(i), self.cfg);
+        let qs = self.g.node(q).ty.shape.clone();
+        let window = if cfg.layer_types[i] == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
+        let a = self.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, self.pos, kv.0, kv.1])?;
+        let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;
+        let a = self.linear("o_proj", l, a, &format!("layers.{i}.self_attn.o_proj"), cfg.hidden_size)?;
+        let a = self.norm("post_attn_norm", l, a, Some(&format!("layers.{i}.post_attention_layernorm.weight")), conv)?;
+        self.add("attn_residual", l, x, a)
+    }
+
+    /// The dense GeGLU MLP of layer `i`: `down(gelu(gate(m)) * up(m))`.
+    fn mlp(&mut self, i: usize, m: NodeIndex, inter: usize) -> Result<NodeIndex, BuildError> {
+        let l = Some(i);
+        let gt = self.linear("gate_proj", l, m, &format!("layers.{i}.mlp.gate_proj"), inter)?;
+        let up = self.linear("up_proj", l, m, &format!("layers.{i}.mlp.up_proj"), inter)?;
+        let gu = self.op("geglu", l, Op::GeGlu, &[gt, up])?;
+        self.linear("down_proj", l, gu, &format!("layers.{i}.mlp.down_proj"), self.cfg.hidden_size)
+    }
 }
 
 /// Builds the graph of `cfg` with weights resolved by `res`.
@@ -204,16 +235,12 @@ pub fn build_from_config(cfg: &ModelConfig, o: &BuildOptions) -> Result<Graph, B
 fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
     let t = o.tokens;
     let (h, nq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
-    let mut g = Graph::new(t, o.kind);
-    let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[t]));
-    let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[t]));
-    let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
-    let mut b = B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32 };
+    let (mut b, tokens) = B::new(cfg, res, o);
     let conv = NormScale::OnePlusW;
 
     let emb = b.w("embed_tokens", None, &[cfg.vocab_size, h], true);
-    let sqrt_h = (h as f32).sqrt();
-    let scale = if o.bf16_constants || cfg.family == Family::Gemma3 { round_bf16(sqrt_h) } else { sqrt_h };
+    // Gemma 3 scales the embedding by bf16(sqrt(H)) whatever the weights' dtype.
+    let scale = round_bf16((h as f32).sqrt());
     let mut x = b.op("embed", None, Op::Embed { scale, clamp: None }, &[tokens, emb])?;
 
     for i in 0..cfg.num_layers {
@@ -235,22 +262,14 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let q = b.op("q_rope", l, rop.clone(), &[q, b.pos])?;
         let k = b.op("k_rope", l, rop, &[k, b.pos])?;
         let (kc, vc) = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
-        let window = if lt == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
-        let a = b.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, b.pos, kc, vc])?;
-        let a = b.reshape("attn_flat", l, a, &[t, nq * d])?;
-        let a = b.linear("o_proj", l, a, &p("self_attn.o_proj"), h)?;
-        let a = b.norm("post_attn_norm", l, a, Some(&p("post_attention_layernorm.weight")), conv)?;
-        x = b.add("attn_residual", l, x, a)?;
+        x = b.attention_block(i, x, q, (kc, vc), conv)?;
         let m = b.norm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
         let inter = cfg.layer_intermediate(i);
-        let gt = b.linear("gate_proj", l, m, &p("mlp.gate_proj"), inter)?;
-        let up = b.linear("up_proj", l, m, &p("mlp.up_proj"), inter)?;
-        let gu = b.op("geglu", l, Op::GeGlu, &[gt, up])?;
-        let dn = b.linear("down_proj", l, gu, &p("mlp.down_proj"), h)?;
+        let dn = b.mlp(i, m, inter)?;
         let dn = b.norm("post_ff_norm", l, dn, Some(&p("post_feedforward_layernorm.weight")), conv)?;
         x = b.add("ff_residual", l, x, dn)?;
     }
-    head(&mut b, x, emb, conv, o)
+    head(b, x, emb, conv, o)
 }
 
 /// Writes K and V of layer `i` into its caches; returns the cache values.
@@ -266,7 +285,7 @@ fn kv_write(b: &mut B, i: usize, k: NodeIndex, v: NodeIndex, slots: usize) -> Re
 }
 
 /// Final norm, tied (or untied) head, softcap and argmax.
-fn head(b: &mut B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOptions) -> Result<Graph, BuildError> {
+fn head(mut b: B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOptions) -> Result<Graph, BuildError> {
     let t = o.tokens;
     let h = b.cfg.hidden_size;
     let x = if o.outputs == Outputs::LastLogits && t > 1 {
@@ -297,7 +316,7 @@ fn head(b: &mut B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOptio
     };
     b.g.set_output("logits", logits);
     b.g.set_output("token", tok);
-    Ok(std::mem::replace(&mut b.g, Graph::new(0, o.kind)))
+    Ok(b.g)
 }
 
 fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
@@ -305,11 +324,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
     let (h, nq) = (cfg.hidden_size, cfg.num_heads);
     let nl = cfg.num_layers;
     let pd = cfg.hidden_size_per_layer_input;
-    let mut g = Graph::new(t, o.kind);
-    let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[t]));
-    let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[t]));
-    let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
-    let mut b = B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32 };
+    let (mut b, tokens) = B::new(cfg, res, o);
     let conv = NormScale::W;
     let k_const = |x: f32| if o.bf16_constants { round_bf16(x) } else { x };
 
@@ -368,19 +383,11 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let src = cfg.kv_source(i);
             caches[src].ok_or_else(|| BuildError::Config(format!("layer {i}: KV source layer {src} has no cache")))?
         };
-        let window = if lt == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
-        let a = b.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, b.pos, kc, vc])?;
-        let a = b.reshape("attn_flat", l, a, &[t, nq * d])?;
-        let a = b.linear("o_proj", l, a, &p("self_attn.o_proj"), h)?;
-        let a = b.norm("post_attn_norm", l, a, Some(&p("post_attention_layernorm.weight")), conv)?;
-        x = b.add("attn_residual", l, x, a)?;
+        x = b.attention_block(i, x, q, (kc, vc), conv)?;
 
         let inter = cfg.layer_intermediate(i);
         let m = b.norm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
-        let gt = b.linear("gate_proj", l, m, &p("mlp.gate_proj"), inter)?;
-        let up = b.linear("up_proj", l, m, &p("mlp.up_proj"), inter)?;
-        let gu = b.op("geglu", l, Op::GeGlu, &[gt, up])?;
-        let mut u = b.linear("down_proj", l, gu, &p("mlp.down_proj"), h)?;
+        let mut u = b.mlp(i, m, inter)?;
         if cfg.enable_moe_block {
             let e = cfg.num_experts.ok_or_else(|| BuildError::Config("MoE without num_experts".into()))?;
             let k = cfg.top_k_experts.ok_or_else(|| BuildError::Config("MoE without top_k_experts".into()))?;
@@ -421,5 +428,5 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let ls = b.w(&p("layer_scalar"), l, &[1], false);
         x = b.op("layer_scalar", l, Op::Binary { f: BinaryOp::Mul }, &[x, ls])?;
     }
-    head(&mut b, x, emb, conv, o)
+    head(b, x, emb, conv, o)
 }
