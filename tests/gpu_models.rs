@@ -6,11 +6,7 @@ mod common;
 use markbase::model::DeviceKind;
 
 fn run(names: &[&str]) {
-    for name in names {
-        let t = std::time::Instant::now();
-        let (d, s) = common::check_fixture(name, DeviceKind::Gpu(None));
-        println!("{name}: max |Δ| {d:.3e} (max |logit| {s:.2}), {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
-    }
+    common::check_fixtures(names, DeviceKind::Gpu(None));
 }
 
 #[test]

@@ -74,3 +74,12 @@ pub fn check_fixture(name: &str, device: DeviceKind) -> (f32, f32) {
     let (d2, _) = compare(&format!("{name} decode"), &dec, &r.decode, r.vocab);
     (d1.max(d2), s)
 }
+
+/// `check_fixture` for each fixture, printing the error and the time.
+pub fn check_fixtures(names: &[&str], device: DeviceKind) {
+    for name in names {
+        let t = std::time::Instant::now();
+        let (d, s) = check_fixture(name, device);
+        println!("{name}: max |Δ| {d:.3e} (max |logit| {s:.2}), {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
+    }
+}
