@@ -28,6 +28,8 @@ enum Phases {
     Two,
     /// One phase per layer.
     PerLayer,
+    /// The whole step in one phase (what decode steps run).
+    One,
 }
 
 #[derive(Args, Clone)]
@@ -186,6 +188,7 @@ fn main() -> ExitCode {
             let policy = match phases {
                 Phases::Two => markbase::graph::PhasePolicy::EmbedLayersHead,
                 Phases::PerLayer => markbase::graph::PhasePolicy::PerLayer,
+                Phases::One => markbase::graph::PhasePolicy::Step,
             };
             cli::graph(&model_dir, fmt, tokens, max_context, policy).map(|s| out(&s))
         }

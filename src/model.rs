@@ -313,7 +313,10 @@ impl Model {
                 Some(ck) => ck.build(o).map_err(|e| e.to_string())?,
                 None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| e.to_string())?,
             };
-            let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;
+            // Decode: one submission per step (the next step is encoded while this one
+            // runs); prefill: the layers are submitted before the head is encoded.
+            let policy = if key.tokens == 1 { PhasePolicy::Step } else { PhasePolicy::EmbedLayersHead };
+            let c = compile(g, policy).map_err(|e| e.to_string())?;
             self.graphs.insert(key, c);
         }
         Ok(&self.graphs[&key])

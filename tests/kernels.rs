@@ -223,8 +223,8 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
             // the one-token GEMV both with one and with two blocks per step
             if let KernelSpec::Gemv { bp2, .. } = mm.spec {
                 if t == 1 {
-                    let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, .. } = mm.spec else { unreachable!() };
-                    let other = KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: !bp2 };
+                    let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, norm, .. } = mm.spec else { unreachable!() };
+                    let other = KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: !bp2, norm };
                     kernels.push((format!("{label} bp2={}", !bp2), ks.matmul_spec(other).unwrap()));
                 }
             }
@@ -402,13 +402,72 @@ fn rms_norm_all_scales() {
         let mut want = vec![0f32; rows * d];
         cpu::rms_norm(&x, wf.as_deref(), d, 1e-6, scale, &mut want);
         let wb = wt_.as_ref().map(|t| gpu.upload("w", &t.bytes));
+        // with a residual: res + norm(x)
+        let res = randn(&mut r, rows * d, 3.0);
+        let resb = gpu.upload_f32("res", &res);
+        let want_res: Vec<f32> = want.iter().zip(&res).map(|(a, b)| a + b).collect();
         for (label, ks) in &e.variants {
-            let k = ks.rms_norm(wt).unwrap();
-            let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
-            let out = gpu.storage("out", (rows * d * 4) as u64);
-            let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref());
-            run(gpu, |pass| k.dispatch(pass, &bg, rows));
-            check(&format!("rms_norm {scale:?} {wt:?} [{label}]"), &gpu.read_f32(&out, rows * d).unwrap(), &want);
+            for with_res in [false, true] {
+                let k = ks.rms_norm(wt, with_res).unwrap();
+                let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
+                let out = gpu.storage("out", (rows * d * 4) as u64);
+                let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref(), with_res.then_some(&resb));
+                run(gpu, |pass| k.dispatch(pass, &bg, rows));
+                let (what, want) = if with_res { ("rms_norm_add", &want_res) } else { ("rms_norm", &want) };
+                check(&format!("{what} {scale:?} {wt:?} [{label}]"), &gpu.read_f32(&out, rows * d).unwrap(), want);
+            }
+        }
+    }
+}
+
+/// The one-token GEMV with the RMSNorm of x fused in front, against norm-then-matmul on
+/// the CPU: the norm only touches x, so a few formats (unmasked and masked K, the common
+/// 4-bit path, a float and an fp4 one), chunked weights, one and two blocks per step.
+#[test]
+fn norm_matmul_formats() {
+    let mut r = rng("norm_matmul");
+    let e = env();
+    let gpu = &e.gpu;
+    let fmts = [
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Float(FloatType::Bf16),
+        GpuFormat::Nvfp4 { global: false },
+    ];
+    for fmt in fmts {
+        let (n, k) = (37, test_k(fmt));
+        let wd = random_weight(&mut r, fmt, &[n, k]);
+        let wref = markbase::quant::dequantize(&wd).unwrap();
+        let gw: GpuWeight = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[n, k], 3))).unwrap();
+        for (scale, nt) in [(NormScale::OnePlusW, Some(FloatType::Bf16)), (NormScale::W, Some(FloatType::F32)), (NormScale::None, None)] {
+            let x = randn(&mut r, k, 4.0);
+            let nwv = randn(&mut r, k, 1.0);
+            let nwt = nt.map(|t| float_tensor(t, &[k], &nwv));
+            let nwf = nwt.as_ref().map(|t| t.to_f32());
+            let mut xn = vec![0f32; k];
+            cpu::rms_norm(&x, nwf.as_deref(), k, 1e-6, scale, &mut xn);
+            let mut want = vec![0f32; n];
+            cpu::matmul(&xn, &wref, k, n, &mut want);
+            let xb = gpu.upload_f32("x", &x);
+            let nwb = nwt.as_ref().map(|t| gpu.upload("nw", &t.bytes));
+            for (label, ks) in &e.variants {
+                let mm = ks.norm_matmul(fmt, k, nt).unwrap();
+                let KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm } = mm.spec else { panic!("not a GEMV") };
+                assert_eq!(norm, Some(nt));
+                let other = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2: !bp2, norm }).unwrap();
+                for (v, mm) in [("", &mm), (" other bp2", &other)] {
+                    let y = gpu.storage("y", (n * 4) as u64);
+                    let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
+                    let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                    let bgs: Vec<wgpu::BindGroup> =
+                        (0..gw.chunks.len()).map(|c| mm.bind_group_norm(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, c)).collect();
+                    run(gpu, |pass| {
+                        for (c, d) in dims.iter().enumerate() {
+                            mm.dispatch(pass, &bgs[c], d);
+                        }
+                    });
+                    check(&format!("norm_matmul {} {scale:?} [{label}{v}] N={n} K={k}", fmt.describe()), &gpu.read_f32(&y, n).unwrap(), &want);
+                }
+            }
         }
     }
 }

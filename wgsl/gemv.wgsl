@@ -6,10 +6,15 @@
 // per-invocation partial sums are then reduced over the workgroup (subgroupAdd
 // + shared memory, or a shared-memory tree without subgroups).
 //
-// Prelude consts: WG, R, TT, RED_N (= R * TT * WG); weight consts (weights.wgsl).
+// PRENORM (one token): y = W rms_norm(x). The workgroup reads all of x anyway: each
+// invocation sums the squares of its blocks and scales them by the norm weight; the
+// row sums are multiplied by 1 / rms at the end.
+//
+// Prelude consts: WG, R, TT, RED_N (= R * TT * WG), NDT (norm weight dtype: 0 bf16,
+// 1 f16, 2 f32); weight consts (weights.wgsl).
 // Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1,
-// BP2 (one token: two blocks per invocation and step).
-// Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 8.. weights.
+// BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW.
+// Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 4 norm weight (HAS_NW), 8.. weights.
 
 struct Params {
     T: u32,          // tokens (GATHER: pairs T*S)
@@ -21,8 +26,8 @@ struct Params {
     e_count: u32,    // GATHER: experts held by this chunk
     S: u32,          // GATHER: experts per token
     x_bcast: u32,    // GATHER: 1 when x is [T, K] (shared by the S pairs of a token)
-    _p0: u32,
-    _p1: u32,
+    norm_mode: u32,  // PRENORM: 0 no weight, 1 w, 2 1 + w
+    norm_eps: f32,   // PRENORM
     _p2: u32,
 }
 
@@ -35,6 +40,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 //#if GATHER
 @group(0) @binding(3) var<storage, read> ids: array<u32>;
+//#endif
+//#if HAS_NW
+@group(0) @binding(4) var<storage, read> nw: array<u32>;
 //#endif
 
 const RT: u32 = R * TT;
@@ -74,6 +82,49 @@ fn xs4(b: u32, k: u32, K: u32) -> vec4<f32> {
         f.w = x[b + k + 3u];
     }
     return f;
+}
+//#endif
+
+//#if PRENORM
+// Norm scale of element k (1 past K and without a weight).
+fn nscale1(k: u32) -> f32 {
+//#if HAS_NW
+    if k >= p.K {
+        return 1.0;
+    }
+    var w: f32;
+    if NDT == 2u {
+        w = bitcast<f32>(nw[k]);
+    } else {
+        w = f16x2_pick(nw[k >> 1u], k, NDT);
+    }
+    if p.norm_mode == 2u {
+        return 1.0 + w;
+    }
+    if p.norm_mode == 1u {
+        return w;
+    }
+//#endif
+    return 1.0;
+}
+
+fn nscale4(k: u32) -> vec4<f32> {
+    return vec4<f32>(nscale1(k), nscale1(k + 1u), nscale1(k + 2u), nscale1(k + 3u));
+}
+
+// Block `blk` of x times the norm weight.
+fn norm_x(v: V8, blk: u32) -> V8 {
+    let k = blk * 32u;
+    var o: V8;
+//#repeat 8 i
+    o.v$i = v.v$i * nscale4(k + 4u * $iu);
+//#endrepeat
+    return o;
+}
+
+fn sumsq(v: V8) -> f32 {
+    let s = ((v.v0 * v.v0 + v.v1 * v.v1) + (v.v2 * v.v2 + v.v3 * v.v3)) + ((v.v4 * v.v4 + v.v5 * v.v5) + (v.v6 * v.v6 + v.v7 * v.v7));
+    return (s.x + s.y) + (s.z + s.w);
 }
 //#endif
 
@@ -151,6 +202,9 @@ fn main(
 //#else
             let xr = t0;
 //#endif
+//#if PRENORM
+            var ss = 0.0;
+//#endif
 //#if BP2
             // two consecutive blocks per step (more bytes in flight per invocation); an odd
             // last block re-reads its pair's first block and discards it
@@ -158,9 +212,14 @@ fn main(
                 let blk = 2u * b2;
                 let has1 = blk + 1u < nb;
                 let blk1 = select(blk, blk + 1u, has1);
-                let xv = load_x(xr, blk, K);
+                var xv = load_x(xr, blk, K);
+                var xv1 = load_x(xr, blk1, K);
+//#if PRENORM
+                ss += sumsq(xv) + select(0.0, sumsq(xv1), has1);
+                xv = norm_x(xv, blk);
+                xv1 = norm_x(xv1, blk1);
+//#endif
                 let xs = xsum(xv);
-                let xv1 = load_x(xr, blk1, K);
                 let xs1 = xsum(xv1);
 //#repeat R r
                 let row$r = wbase + min(r0 + $ru, p.rows - 1u);
@@ -169,12 +228,22 @@ fn main(
             }
 //#else
             for (var blk = lid; blk < nb; blk += WG) {
-                let xv = load_x(xr, blk, K);
+                var xv = load_x(xr, blk, K);
+//#if PRENORM
+                ss += sumsq(xv);
+                xv = norm_x(xv, blk);
+//#endif
                 let xs = xsum(xv);
 //#repeat R r
                 acc$r += blk_dot(dq_blk(wbase + min(r0 + $ru, p.rows - 1u), blk, K), xv, xs);
 //#endrepeat
             }
+//#endif
+//#if PRENORM
+            let rn = 1.0 / sqrt(wg_sum(ss) / f32(K) + p.norm_eps);
+//#repeat R r
+            acc$r *= rn;
+//#endrepeat
 //#endif
 //#if SUBGROUP
 //#repeat R r

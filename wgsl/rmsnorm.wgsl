@@ -1,8 +1,10 @@
 // RMSNorm over rows of length D: out = x / sqrt(mean(x^2) + eps) * s, with
 // s = w (mode 1), 1 + w (mode 2) or 1 (mode 0). One workgroup per row.
 //
-// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32). Flags: SUBGROUP, HAS_W.
-// Bindings: 0 params, 1 x, 2 out, 3 w (HAS_W; u32 words of NDT values).
+// RES: out = res + norm(x) (a post-norm and its residual add).
+//
+// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32). Flags: SUBGROUP, HAS_W, RES.
+// Bindings: 0 params, 1 x, 2 out, 3 w (HAS_W; u32 words of NDT values), 4 res (RES).
 
 struct Params {
     rows: u32,
@@ -16,6 +18,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 //#if HAS_W
 @group(0) @binding(3) var<storage, read> nw: array<u32>;
+//#endif
+//#if RES
+@group(0) @binding(4) var<storage, read> res: array<f32>;
 //#endif
 
 fn norm_scale(i: u32) -> f32 {
@@ -63,7 +68,11 @@ fn main(
         let tot = wg_sum(ss);
         let r = 1.0 / sqrt(tot / f32(D) + p.eps);
         for (var i = lid; i < D; i += WG) {
+//#if RES
+            out[b + i] = res[b + i] + x[b + i] * r * norm_scale(i);
+//#else
             out[b + i] = x[b + i] * r * norm_scale(i);
+//#endif
         }
     }
 }

@@ -69,6 +69,9 @@ pub struct BuildOptions {
     /// Round Gemma 3n/4 constants (embedding scale) to bf16, as mlx-lm does on bf16
     /// checkpoints; off = exact, as in f32 runs. Gemma 3 always uses bf16(sqrt(H)).
     pub bf16_constants: bool,
+    /// Fuse ops for one-token steps: pre-norms into the matmuls that read them
+    /// (`NormMatMul`). Post-norms and their residual adds are always one `RmsNormAdd`.
+    pub fuse: bool,
 }
 
 impl BuildOptions {
@@ -82,6 +85,7 @@ impl BuildOptions {
             prefix: None,
             sample: false,
             bf16_constants: false,
+            fuse: true,
         }
     }
     pub fn decode(max_context: usize, chunk: usize) -> Self {
@@ -94,6 +98,7 @@ impl BuildOptions {
             prefix: None,
             sample: false,
             bf16_constants: false,
+            fuse: true,
         }
     }
 }
@@ -124,6 +129,15 @@ struct B<'a> {
     prefix: String,
     pos: NodeIndex,
     eps: f32,
+    /// Pre-norms fused into their matmuls (one-token graphs).
+    fuse_prenorm: bool,
+}
+
+/// A pre-norm as the matmuls reading it see it: a value, or fused into each of them.
+#[derive(Clone, Copy)]
+enum Normed {
+    Node(NodeIndex),
+    Fused { x: NodeIndex, w: Option<NodeIndex>, scale: NormScale },
 }
 
 impl<'a> B<'a> {
@@ -133,7 +147,8 @@ impl<'a> B<'a> {
         let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[o.tokens]));
         let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[o.tokens]));
         let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
-        (B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32 }, tokens)
+        let fuse_prenorm = o.fuse && o.tokens == 1;
+        (B { g, cfg, res, prefix, pos, eps: cfg.rms_norm_eps as f32, fuse_prenorm }, tokens)
     }
 
     fn w(&mut self, rel: &str, layer: Option<usize>, shape: &[usize], module: bool) -> NodeIndex {
@@ -175,6 +190,37 @@ impl<'a> B<'a> {
         self.op(name, layer, Op::MatMul, &[x, w])
     }
 
+    /// A norm read only by matmuls ([`B::linear_n`]): a node, or fused into each of them.
+    fn prenorm(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, w: Option<&str>, conv: NormScale) -> Result<Normed, BuildError> {
+        if !self.fuse_prenorm {
+            return Ok(Normed::Node(self.norm(name, layer, x, w, conv)?));
+        }
+        let d = self.g.node(x).ty.last();
+        Ok(match w {
+            Some(rel) if conv != NormScale::None => Normed::Fused { x, w: Some(self.w(rel, layer, &[d], false)), scale: conv },
+            _ => Normed::Fused { x, w: None, scale: NormScale::None },
+        })
+    }
+
+    fn linear_n(&mut self, name: &str, layer: Option<usize>, x: Normed, rel: &str, out: usize) -> Result<NodeIndex, BuildError> {
+        match x {
+            Normed::Node(n) => self.linear(name, layer, n, rel, out),
+            Normed::Fused { x, w, scale } => {
+                let inn = self.g.node(x).ty.last();
+                let wm = self.w(rel, layer, &[out, inn], true);
+                let ins: Vec<NodeIndex> = std::iter::once(x).chain(w).chain([wm]).collect();
+                self.op(name, layer, Op::NormMatMul { eps: self.eps, scale }, &ins)
+            }
+        }
+    }
+
+    /// `res + norm(x)`.
+    fn norm_add(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, res: NodeIndex, w: &str, conv: NormScale) -> Result<NodeIndex, BuildError> {
+        let d = self.g.node(x).ty.last();
+        let wn = self.w(w, layer, &[d], false);
+        self.op(name, layer, Op::RmsNormAdd { eps: self.eps, scale: conv }, &[x, res, wn])
+    }
+
     fn reshape(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, shape: &[usize]) -> Result<NodeIndex, BuildError> {
         self.op(name, layer, Op::Reshape { shape: shape.to_vec() }, &[x])
     }
@@ -192,15 +238,14 @@ impl<'a> B<'a> {
         let a = self.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, self.pos, kv.0, kv.1])?;
         let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;
         let a = self.linear("o_proj", l, a, &format!("layers.{i}.self_attn.o_proj"), cfg.hidden_size)?;
-        let a = self.norm("post_attn_norm", l, a, Some(&format!("layers.{i}.post_attention_layernorm.weight")), conv)?;
-        self.add("attn_residual", l, x, a)
+        self.norm_add("attn_residual", l, a, x, &format!("layers.{i}.post_attention_layernorm.weight"), conv)
     }
 
     /// The dense GeGLU MLP of layer `i`: `down(gelu(gate(m)) * up(m))`.
-    fn mlp(&mut self, i: usize, m: NodeIndex, inter: usize) -> Result<NodeIndex, BuildError> {
+    fn mlp(&mut self, i: usize, m: Normed, inter: usize) -> Result<NodeIndex, BuildError> {
         let l = Some(i);
-        let gt = self.linear("gate_proj", l, m, &format!("layers.{i}.mlp.gate_proj"), inter)?;
-        let up = self.linear("up_proj", l, m, &format!("layers.{i}.mlp.up_proj"), inter)?;
+        let gt = self.linear_n("gate_proj", l, m, &format!("layers.{i}.mlp.gate_proj"), inter)?;
+        let up = self.linear_n("up_proj", l, m, &format!("layers.{i}.mlp.up_proj"), inter)?;
         let gu = self.op("geglu", l, Op::GeGlu, &[gt, up])?;
         self.linear("down_proj", l, gu, &format!("layers.{i}.mlp.down_proj"), self.cfg.hidden_size)
     }
@@ -248,14 +293,14 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let p = |s: &str| format!("layers.{i}.{s}");
         let nkv = cfg.layer_kv_heads(i);
         let lt = cfg.layer_types[i];
-        let xn = b.norm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
-        let q = b.linear("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
+        let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
+        let q = b.linear_n("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
         let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
         let q = b.norm("q_norm", l, q, Some(&p("self_attn.q_norm.weight")), conv)?;
-        let k = b.linear("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
+        let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
         let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
         let k = b.norm("k_norm", l, k, Some(&p("self_attn.k_norm.weight")), conv)?;
-        let v = b.linear("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
+        let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
         let v = b.reshape("v_heads", l, v, &[t, nkv, d])?;
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
@@ -263,11 +308,10 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let k = b.op("k_rope", l, rop, &[k, b.pos])?;
         let (kc, vc) = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
-        let m = b.norm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
+        let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
         let inter = cfg.layer_intermediate(i);
         let dn = b.mlp(i, m, inter)?;
-        let dn = b.norm("post_ff_norm", l, dn, Some(&p("post_feedforward_layernorm.weight")), conv)?;
-        x = b.add("ff_residual", l, x, dn)?;
+        x = b.norm_add("ff_residual", l, dn, x, &p("post_feedforward_layernorm.weight"), conv)?;
     }
     head(b, x, emb, conv, o)
 }
@@ -293,7 +337,7 @@ fn head(mut b: B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOption
     } else {
         x
     };
-    let xn = b.norm("final_norm", None, x, Some("norm.weight"), conv)?;
+    let xn = b.prenorm("final_norm", None, x, Some("norm.weight"), conv)?;
     // Untied only when the checkpoint has its own head (mlx-lm ties iff it is absent).
     let lm_head = format!("{}lm_head", b.prefix.strip_suffix("model.").unwrap_or(""));
     let head_w = if b.res.exists(&lm_head) {
@@ -303,7 +347,13 @@ fn head(mut b: B, x: NodeIndex, emb: NodeIndex, conv: NormScale, o: &BuildOption
     } else {
         emb
     };
-    let mut logits = b.op("logits", None, Op::MatMul, &[xn, head_w])?;
+    let mut logits = match xn {
+        Normed::Node(xn) => b.op("logits", None, Op::MatMul, &[xn, head_w])?,
+        Normed::Fused { x, w, scale } => {
+            let ins: Vec<NodeIndex> = std::iter::once(x).chain(w).chain([head_w]).collect();
+            b.op("logits", None, Op::NormMatMul { eps: b.eps, scale }, &ins)?
+        }
+    };
     if let Some(cap) = b.cfg.final_logit_softcap {
         logits = b.op("softcap", None, Op::Unary { f: UnaryOp::Softcap { cap: cap as f32 } }, &[logits])?;
     }
@@ -356,8 +406,8 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let full = lt == LayerType::Full;
         let d = cfg.layer_head_dim(i);
         let nkv = cfg.layer_kv_heads(i);
-        let xn = b.norm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
-        let q = b.linear("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
+        let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
+        let q = b.linear_n("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
         let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
         let q = b.norm("q_norm", l, q, Some(&p("self_attn.q_norm.weight")), conv)?;
         let rope = cfg.layer_rope(i).clone();
@@ -365,12 +415,12 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: pairs };
         let q = b.op("q_rope", l, rop.clone(), &[q, b.pos])?;
         let (kc, vc) = if i < first_shared {
-            let k = b.linear("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
+            let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
             let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
             let v = if full && cfg.attention_k_eq_v {
                 k
             } else {
-                let v = b.linear("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
+                let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
                 b.reshape("v_heads", l, v, &[t, nkv, d])?
             };
             let k = b.norm("k_norm", l, k, Some(&p("self_attn.k_norm.weight")), conv)?;
@@ -386,7 +436,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
 
         let inter = cfg.layer_intermediate(i);
-        let m = b.norm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
+        let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
         let mut u = b.mlp(i, m, inter)?;
         if cfg.enable_moe_block {
             let e = cfg.num_experts.ok_or_else(|| BuildError::Config("MoE without num_experts".into()))?;
@@ -412,8 +462,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let h2 = b.norm("post_ff_norm_2", l, h2, Some(&p("post_feedforward_layernorm_2.weight")), conv)?;
             u = b.add("ff_sum", l, h1, h2)?;
         }
-        let u = b.norm("post_ff_norm", l, u, Some(&p("post_feedforward_layernorm.weight")), conv)?;
-        x = b.add("ff_residual", l, x, u)?;
+        x = b.norm_add("ff_residual", l, u, x, &p("post_feedforward_layernorm.weight"), conv)?;
 
         if let Some(pli) = pli {
             let gate = b.linear("ple_gate", l, x, &p("per_layer_input_gate"), pd)?;
@@ -422,8 +471,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let slot = b.reshape("ple_slot_flat", l, slot, &[t, pd])?;
             let gated = b.op("ple_mul", l, Op::Binary { f: BinaryOp::Mul }, &[gate, slot])?;
             let pr = b.linear("ple_projection", l, gated, &p("per_layer_projection"), h)?;
-            let pr = b.norm("ple_norm", l, pr, Some(&p("post_per_layer_input_norm.weight")), conv)?;
-            x = b.add("ple_residual", l, x, pr)?;
+            x = b.norm_add("ple_residual", l, pr, x, &p("post_per_layer_input_norm.weight"), conv)?;
         }
         let ls = b.w(&p("layer_scalar"), l, &[1], false);
         x = b.op("layer_scalar", l, Op::Binary { f: BinaryOp::Mul }, &[x, ls])?;

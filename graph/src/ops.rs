@@ -110,6 +110,13 @@ pub enum Op {
     GatherMatMul,
     /// `[x: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`.
     RmsNorm { eps: f32, scale: NormScale },
+    /// `[x: f32[.., D], res: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`:
+    /// `res + rms_norm(x)` (a post-norm and its residual add, one pass).
+    RmsNormAdd { eps: f32, scale: NormScale },
+    /// `[x: f32[.., K], nw?: f32-weight[K], w: weight[N, K]] -> f32[.., N]`:
+    /// `rms_norm(x) @ w^T` (a pre-norm read by matmuls only; the norm's weight is the
+    /// second input unless `scale` is `None`).
+    NormMatMul { eps: f32, scale: NormScale },
     /// `[x: f32[T, heads, D], pos: u32[T]] -> f32[T, heads, D]`: half-split RoPE on pairs
     /// `(i, i + D/2)` for `i < rotary_pairs`; `inv_freq_i = theta^(-2i/D) / factor`.
     Rope { theta: f32, factor: f32, rotary_pairs: usize },
@@ -166,6 +173,8 @@ impl Op {
             Op::MatMul => "matmul",
             Op::GatherMatMul => "gather_matmul",
             Op::RmsNorm { .. } => "rms_norm",
+            Op::RmsNormAdd { .. } => "rms_norm_add",
+            Op::NormMatMul { .. } => "norm_matmul",
             Op::Rope { .. } => "rope",
             Op::KvWrite => "kv_write",
             Op::Attention { .. } => "attention",
@@ -204,7 +213,9 @@ impl Op {
                 Some(c) => format!("scale={scale} clamp={c}"),
                 None => format!("scale={scale}"),
             },
-            Op::RmsNorm { eps, scale } => format!("eps={eps:e} scale={scale:?}"),
+            Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } | Op::NormMatMul { eps, scale } => {
+                format!("eps={eps:e} scale={scale:?}")
+            }
             Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
             Op::Attention { scale, window } => match window {
                 Some(w) => format!("scale={scale} window={w}"),
@@ -298,6 +309,33 @@ impl Op {
                     }
                 }
                 Ok(x.clone())
+            }
+            Op::RmsNormAdd { scale, .. } => {
+                need(if *scale == NormScale::None { 2 } else { 3 })?;
+                let x = f32_in(0)?;
+                let r = f32_in(1)?;
+                if r.shape != x.shape {
+                    return Err(err(format!("residual {} for x {}", r.describe(), x.describe())));
+                }
+                if *scale != NormScale::None && inputs[2].shape != [x.last()] {
+                    return Err(err(format!("weight {} for x {}", inputs[2].describe(), x.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::NormMatMul { scale, .. } => {
+                let has_w = *scale != NormScale::None;
+                need(if has_w { 3 } else { 2 })?;
+                let x = f32_in(0)?;
+                let w = inputs[inputs.len() - 1];
+                if w.shape.len() != 2 || x.shape.is_empty() || x.last() != w.shape[1] {
+                    return Err(err(format!("x {} vs w {}", x.describe(), w.describe())));
+                }
+                if has_w && inputs[1].shape != [x.last()] {
+                    return Err(err(format!("norm weight {} for x {}", inputs[1].describe(), x.describe())));
+                }
+                let mut s = x.shape.clone();
+                *s.last_mut().unwrap() = w.shape[0];
+                Ok(TensorType::f32(&s))
             }
             Op::Rope { rotary_pairs, .. } => {
                 need(2)?;

@@ -58,6 +58,10 @@ pub enum PhasePolicy {
     EmbedLayersHead,
     /// Embedding, each layer, then the head.
     PerLayer,
+    /// The whole step in one phase (one pass, one submission): decode steps, where the
+    /// next step is encoded while the GPU runs this one, so an early first submission
+    /// gains nothing.
+    Step,
 }
 
 /// A compiled graph: the graph plus the results of every pass.
@@ -239,6 +243,7 @@ pub fn schedule(g: &Graph, policy: PhasePolicy) -> Schedule {
         let (st, sname) = stage(i, n);
         let (key, name) = match policy {
             PhasePolicy::PerLayer => (st, sname),
+            PhasePolicy::Step => (0, "step".to_string()),
             PhasePolicy::EmbedLayersHead => {
                 if st == usize::MAX {
                     (1, "head".to_string())

@@ -210,13 +210,20 @@ fn gemma3_graphs_pass_checks() {
         assert_eq!(cfg.num_layers, layers);
         assert_eq!(cfg.hidden_size, hidden);
         for opts in [BuildOptions::decode(4096, 512), BuildOptions::prefill(37, 4096)] {
-            for policy in [PhasePolicy::EmbedLayersHead, PhasePolicy::PerLayer] {
+            for policy in [PhasePolicy::EmbedLayersHead, PhasePolicy::PerLayer, PhasePolicy::Step] {
                 let g = build_from_config(&cfg, &opts).unwrap();
                 let c = compile(g, policy).unwrap();
                 assert_properties(&c);
-                let expect_phases = if policy == PhasePolicy::PerLayer { layers + 2 } else { 2 };
+                let expect_phases = match policy {
+                    PhasePolicy::PerLayer => layers + 2,
+                    PhasePolicy::EmbedLayersHead => 2,
+                    PhasePolicy::Step => 1,
+                };
                 assert_eq!(c.schedule.phases.len(), expect_phases, "{name}");
-                assert!(c.alloc.bytes_after * 2 < c.alloc.bytes_before, "{name}: sharing saves little");
+                // the logits (one buffer no other value can share) dominate both sums
+                let logits = c.graph.node(c.graph.output("logits").unwrap()).ty.bytes();
+                let (after, before) = (c.alloc.bytes_after - logits, c.alloc.bytes_before - logits);
+                assert!(after * 2 < before, "{name}: sharing saves little ({after} of {before} bytes besides the logits, {policy:?})");
                 // Every weight of a Gemma 3 layer is present.
                 let names: Vec<&str> = c.graph.weights().map(|(_, w)| w.name.as_str()).collect();
                 let prefix = cfg.default_prefix();

@@ -181,6 +181,25 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, *scale, &mut out);
                         Val::F(Rc::new(out))
                     }
+                    Op::RmsNormAdd { eps, scale } => {
+                        let x = get(&vals, ins[0]);
+                        let res = get(&vals, ins[1]);
+                        let wt = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[2])?) } else { None };
+                        ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, *scale, &mut out);
+                        out.iter_mut().zip(res.f()).for_each(|(o, r)| *o += r);
+                        Val::F(Rc::new(out))
+                    }
+                    Op::NormMatMul { eps, scale } => {
+                        let x = get(&vals, ins[0]);
+                        let k = g.node(ins[0]).ty.last();
+                        let nw = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };
+                        let mut xn = vec![0f32; x.f().len()];
+                        ops::rms_norm(x.f(), nw.as_deref().map(|v| v.as_slice()), k, *eps, *scale, &mut xn);
+                        let wi = ins[ins.len() - 1];
+                        let wt = weight_or_value(g, w, &vals, wi)?;
+                        ops::matmul(&xn, &wt, k, g.node(wi).ty.shape[0], &mut out);
+                        Val::F(Rc::new(out))
+                    }
                     Op::Rope { theta, factor, rotary_pairs } => {
                         let x = get(&vals, ins[0]);
                         let p = get(&vals, ins[1]);

@@ -65,11 +65,14 @@ fn dt_code(t: FloatType) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
     /// `wg` invocations, `rows` rows and `tt` tokens per workgroup; `xvec`: K % 32 == 0;
-    /// `bp2`: two 32-element blocks per invocation and step (`tt == 1` only).
-    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool },
+    /// `bp2`: two 32-element blocks per invocation and step (`tt == 1` only);
+    /// `norm`: an RMSNorm of x fused in front (`tt == 1`, not gathered), with its
+    /// weight's dtype (`Some(None)`: no weight).
+    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>> },
     Gemm { fmt: GpuFormat },
     Embed { fmt: GpuFormat },
-    RmsNorm { w: Option<FloatType> },
+    /// `res`: adds a residual (`Op::RmsNormAdd`).
+    RmsNorm { w: Option<FloatType>, res: bool },
     Rope,
     KvWrite,
     /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs.
@@ -128,16 +131,20 @@ impl KernelSpec {
 
     pub fn name(&self) -> String {
         match self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2 } => format!(
-                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}]",
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm } => format!(
+                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}]",
                 fmt.describe(),
+                match norm {
+                    Some(w) => format!(" norm[{}]", w.map_or("none", |t| t.name())),
+                    None => String::new(),
+                },
                 if *bp2 { " bp2" } else { "" },
                 if *gather { " gather" } else { "" },
                 if *xvec { "" } else { " masked" }
             ),
             KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
             KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
-            KernelSpec::RmsNorm { w } => format!("rms_norm[{}]", w.map_or("none", |t| t.name())),
+            KernelSpec::RmsNorm { w, res } => format!("rms_norm[{}{}]", w.map_or("none", |t| t.name()), if *res { " add" } else { "" }),
             KernelSpec::Rope => "rope".into(),
             KernelSpec::KvWrite => "kv_write".into(),
             KernelSpec::Attention { dpt, split } => format!("attention[dpt{dpt}{}]", if *split { " split" } else { "" }),
@@ -158,8 +165,11 @@ impl KernelSpec {
     pub fn source(&self, subgroups: bool) -> Source {
         let sg = subgroups && self.uses_subgroups();
         match *self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2 } => {
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm } => {
                 let s = Source::new(&[COMMON, WEIGHTS, GEMV])
+                    .c("NDT", norm.flatten().map_or(2, dt_code))
+                    .flag("PRENORM", norm.is_some())
+                    .flag("HAS_NW", norm.flatten().is_some())
                     .c("WG", wg)
                     .c("R", rows)
                     .c("TT", tt)
@@ -173,10 +183,11 @@ impl KernelSpec {
             }
             KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false),
             KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false),
-            KernelSpec::RmsNorm { w } => Source::new(&[COMMON, RMSNORM])
+            KernelSpec::RmsNorm { w, res } => Source::new(&[COMMON, RMSNORM])
                 .c("WG", NORM_WG)
                 .c("NDT", w.map_or(2, dt_code))
                 .flag("HAS_W", w.is_some())
+                .flag("RES", res)
                 .flag("SUBGROUP", sg),
             KernelSpec::Rope => Source::new(&[COMMON, ROPE]).c("WG", 64),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
@@ -216,7 +227,11 @@ impl KernelSpec {
                         if bp2 && tt != 1 {
                             continue;
                         }
-                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2 });
+                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None });
+                        if tt == 1 && !gather {
+                            let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm });
+                        }
                     }
                 }
             }
@@ -224,7 +239,8 @@ impl KernelSpec {
             v.push(KernelSpec::Embed { fmt });
         }
         for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
-            v.push(KernelSpec::RmsNorm { w });
+            v.push(KernelSpec::RmsNorm { w, res: false });
+            v.push(KernelSpec::RmsNorm { w, res: true });
             v.push(KernelSpec::TopKSoftmax { scale: w });
         }
         for b in [FloatType::Bf16, FloatType::F16, FloatType::F32] {
@@ -458,7 +474,20 @@ impl Kernels {
     /// A matmul `y[T, N] = x[T, K] @ W^T` (or GatherMatMul when `gather`) for `t` tokens
     /// (`gather`: `t` = T*S pairs): the GEMV for `t < GEMM_MIN_T` or gathered, else the GEMM.
     pub fn matmul(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
+        self.matmul_with(fmt, k, t, gather, None)
+    }
+
+    /// `rms_norm(x) @ W^T` for one token (`Op::NormMatMul`): the GEMV with the norm
+    /// in front; `norm`: the norm weight's dtype (`None`: no weight).
+    pub fn norm_matmul(&self, fmt: GpuFormat, k: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
+        self.matmul_with(fmt, k, 1, false, Some(norm))
+    }
+
+    fn matmul_with(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>) -> Result<MatMulKernel, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
+        if norm.is_some() && (t != 1 || gather) {
+            return Err(GpuError::Kernel { name: "norm_matmul".into(), msg: format!("a fused norm needs one token, not {t}") });
+        }
         let xvec = k % 32 == 0;
         let gemv = gather || t < GEMM_MIN_T;
         let spec = if gemv {
@@ -474,7 +503,7 @@ impl Kernels {
             let steps = if bp2 { nblk.div_ceil(2) } else { nblk };
             let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
             let wg = envu("MARKBASE_GEMV_WG").unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg);
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2 }
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm }
         } else {
             KernelSpec::Gemm { fmt }
         };
@@ -491,8 +520,9 @@ impl Kernels {
         Ok(EmbedKernel { kernel: self.get(KernelSpec::Embed { fmt })?, maxg: self.maxg() })
     }
 
-    pub fn rms_norm(&self, w: Option<FloatType>) -> Result<RmsNormKernel, GpuError> {
-        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w })?, maxg: self.maxg() })
+    /// `res`: plus a residual (`Op::RmsNormAdd`).
+    pub fn rms_norm(&self, w: Option<FloatType>, res: bool) -> Result<RmsNormKernel, GpuError> {
+        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res })?, maxg: self.maxg() })
     }
 
     pub fn rope(&self) -> Result<RopeKernel, GpuError> {
@@ -567,7 +597,10 @@ pub struct MatMulParams {
     pub e_count: u32,
     pub s: u32,
     pub x_bcast: u32,
-    pub _pad: [u32; 3],
+    /// Fused norm (`Gemv` with `norm`): 0 no weight, 1 `w`, 2 `1 + w`; and its epsilon.
+    pub norm_mode: u32,
+    pub norm_eps: f32,
+    pub _pad: u32,
 }
 
 /// Shape of one matmul dispatch (one weight chunk).
@@ -583,6 +616,8 @@ pub struct MatMulDims {
     /// Row stride of y (N of the whole weight).
     pub ldy: usize,
     pub gather: Option<GatherDims>,
+    /// Fused RMSNorm of x (`Op::NormMatMul`): its scale convention and epsilon.
+    pub norm: Option<(NormScale, f32)>,
 }
 
 /// Gathered-matmul extras.
@@ -601,7 +636,11 @@ impl MatMulDims {
     /// Dims of chunk `c` of `w` for `t` tokens (plain matmul).
     pub fn plain(w: &GpuWeight, c: usize, t: usize) -> Self {
         let ch = &w.chunks[c];
-        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None }
+        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None, norm: None }
+    }
+    /// With a fused norm in front.
+    pub fn with_norm(self, scale: NormScale, eps: f32) -> Self {
+        MatMulDims { norm: Some((scale, eps)), ..self }
     }
     /// Dims of chunk `c` of the expert stack `w` for `tokens` tokens with `s` experts each.
     pub fn gathered(w: &GpuWeight, c: usize, tokens: usize, s: usize, x_bcast: bool) -> Self {
@@ -613,12 +652,13 @@ impl MatMulDims {
             row_start: 0,
             ldy: w.rows_per_expert,
             gather: Some(GatherDims { s, e_start, e_count, x_bcast }),
+            norm: None,
         }
     }
 }
 
 /// Matmul launcher. Bindings: 0 params, 1 x (f32), 2 y (f32, written), 3 ids (u32 `[T*S]`,
-/// gathered only), 8 packed weights, 9 scales, 10 biases, 11 global scale (as the format has them).
+/// gathered only), 4 norm weight (fused norm with a weight), 8 packed weights, 9 scales, 10 biases, 11 global scale (as the format has them).
 pub struct MatMulKernel {
     pub kernel: Arc<Kernel>,
     pub spec: KernelSpec,
@@ -642,7 +682,9 @@ impl MatMulKernel {
             e_count: g.e_count as u32,
             s: g.s as u32,
             x_bcast: g.x_bcast as u32,
-            _pad: [0; 3],
+            norm_mode: d.norm.map_or(0, |(s, _)| norm_mode(s)),
+            norm_eps: d.norm.map_or(0.0, |(_, e)| e),
+            _pad: 0,
         }
     }
 
@@ -671,6 +713,26 @@ impl MatMulKernel {
         let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
         if let Some(ids) = ids {
             res.push((3, ids.as_entire_binding()));
+        }
+        res.extend(w.bindings(c));
+        self.kernel.bind_group(device, &res)
+    }
+
+    /// Bind group for chunk `c` of `w` behind a fused norm with weight `nw`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_norm(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        if let Some(nw) = nw {
+            res.push((4, nw.as_entire_binding()));
         }
         res.extend(w.bindings(c));
         self.kernel.bind_group(device, &res)
@@ -742,7 +804,17 @@ pub struct RmsNormParams {
     pub mode: u32,
 }
 
-/// RMSNorm. Bindings: 0 params, 1 x, 2 out, 3 w (when built with a weight dtype; stored bytes).
+/// Mode code of a norm's scale convention in the kernels' params.
+fn norm_mode(s: NormScale) -> u32 {
+    match s {
+        NormScale::None => 0,
+        NormScale::W => 1,
+        NormScale::OnePlusW => 2,
+    }
+}
+
+/// RMSNorm. Bindings: 0 params, 1 x, 2 out, 3 w (when built with a weight dtype; stored
+/// bytes), 4 residual (`res` kernels: `out = res + norm(x)`).
 pub struct RmsNormKernel {
     pub kernel: Arc<Kernel>,
     maxg: u32,
@@ -750,20 +822,27 @@ pub struct RmsNormKernel {
 
 impl RmsNormKernel {
     pub fn params(&self, rows: usize, d: usize, eps: f32, scale: NormScale) -> RmsNormParams {
-        let mode = match scale {
-            NormScale::None => 0,
-            NormScale::W => 1,
-            NormScale::OnePlusW => 2,
-        };
-        RmsNormParams { rows: rows as u32, d: d as u32, eps, mode }
+        RmsNormParams { rows: rows as u32, d: d as u32, eps, mode: norm_mode(scale) }
     }
     pub fn groups(&self, rows: usize) -> [u32; 3] {
         grid(rows as u64, self.maxg)
     }
-    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, x: &wgpu::Buffer, out: &wgpu::Buffer, w: Option<&wgpu::Buffer>) -> wgpu::BindGroup {
+    /// `res`: the residual (kernels built with `res`).
+    pub fn bind_group(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        w: Option<&wgpu::Buffer>,
+        res: Option<&wgpu::Buffer>,
+    ) -> wgpu::BindGroup {
         let mut b = vec![(0, params), (1, x), (2, out)];
         if let Some(w) = w {
             b.push((3, w));
+        }
+        if let Some(r) = res {
+            b.push((4, r));
         }
         self.kernel.bind_buffers(device, &b)
     }

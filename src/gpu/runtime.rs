@@ -276,14 +276,41 @@ impl GpuExecutor {
                             push(k.kernel.clone(), bg, k.groups(&d));
                         }
                     }
-                    Op::RmsNorm { eps, scale } => {
+                    Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } => {
                         let rows = node.ty.rows();
                         let d = node.ty.last();
-                        let wv = if ins.len() > 1 { Some(vecw(1).ok_or_else(|| format!("node {}: norm weight missing", node.name))?) } else { None };
-                        let k = self.kernels.rms_norm(wv.map(|v| v.1)).map_err(kerr)?;
+                        let res = matches!(op, Op::RmsNormAdd { .. });
+                        let wi = if res { 2 } else { 1 };
+                        let wv = if ins.len() > wi {
+                            Some(vecw(wi).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
+                        } else {
+                            None
+                        };
+                        let k = self.kernels.rms_norm(wv.map(|v| v.1), res).map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0));
+                        let rb = if res { Some(buf(ins[1])?) } else { None };
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0), rb.as_ref());
                         push(k.kernel.clone(), bg, k.groups(rows));
+                    }
+                    Op::NormMatMul { eps, scale } => {
+                        let wi = ins.len() - 1;
+                        let w = mat(wi)?;
+                        let rows = g.node(ins[0]).ty.rows();
+                        let nw = if wi == 2 {
+                            Some(vecw(1).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
+                        } else {
+                            None
+                        };
+                        if rows != 1 {
+                            return Err(format!("node %{} {}: a fused norm runs on one token, not {rows}", node.id, node.name));
+                        }
+                        let k = self.kernels.norm_matmul(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
+                        for ci in 0..w.chunks.len() {
+                            let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
+                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
+                            let bg = k.bind_group_norm(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), w, ci);
+                            push(k.kernel.clone(), bg, k.groups(&d));
+                        }
                     }
                     Op::Rope { theta, factor, rotary_pairs } => {
                         let s = &node.ty.shape;
