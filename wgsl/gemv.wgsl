@@ -21,7 +21,7 @@ struct Params {
     e_count: u32,    // GATHER: experts held by this chunk
     S: u32,          // GATHER: experts per token
     x_bcast: u32,    // GATHER: 1 when x is [T, K] (shared by the S pairs of a token)
-    _p0: u32,
+    E: u32,          // experts of the stack (read by the grouped GEMM only)
     _p1: u32,
     _p2: u32,
 }
