@@ -44,7 +44,7 @@ pub fn bytes_per_token(c: &Compiled, weights: &Weights) -> u64 {
                 + w.biases.as_ref().map_or(0, |t| t.bytes.len())) as u64;
             let b = match op {
                 Op::Embed { .. } => 0,
-                Op::GatherMatMul if slot == 2 => {
+                Op::GatherMatMul | Op::GroupedMatMul if slot == 2 => {
                     let s = g.node(g.inputs(n)[1]).ty.shape[1] as u64;
                     full * s / p.shape[0] as u64
                 }

@@ -235,6 +235,11 @@ impl Model {
         self.exec.as_gpu().map(|g| g.last)
     }
 
+    /// The kernel of each GPU dispatch of graph `key` (once a step has run it).
+    pub fn gpu_kernels(&mut self, key: GraphKey) -> Option<Vec<(petgraph::graph::NodeIndex, String)>> {
+        self.exec.as_gpu().and_then(|g| g.dispatch_kernels(key))
+    }
+
     /// Sets timestamp profiling of the following GPU steps.
     pub fn set_profile(&mut self, p: crate::gpu::runtime::Profile) {
         if let Some(g) = self.exec.as_gpu() {

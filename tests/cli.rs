@@ -46,6 +46,42 @@ fn graph_dumps_are_byte_identical_and_valid() {
 }
 
 #[test]
+fn moe_graph_dumps_show_the_expert_grouping() {
+    let model = "tests/fixtures/gemma4_moe-q4";
+    for tokens in ["12", "1"] {
+        let a = run(&["graph", model, "--format", "json", "--tokens", tokens]);
+        assert!(a.0, "{}", a.2);
+        assert_eq!(a.1, run(&["graph", model, "--format", "json", "--tokens", tokens]).1, "dumps differ between runs");
+        let v: serde_json::Value = serde_json::from_str(&a.1).unwrap();
+        let n = v["nodes"].as_array().unwrap();
+        let ops = |name: &str| n.iter().filter(|x| x["op"] == name).collect::<Vec<_>>();
+        if tokens == "1" {
+            // decode: the gathered GEMV, no grouping
+            assert!(ops("moe_group").is_empty() && ops("grouped_matmul").is_empty());
+            assert_eq!(ops("gather_matmul").len(), 3 * ops("top_k").len());
+            continue;
+        }
+        let groups = ops("moe_group");
+        assert_eq!(groups.len(), ops("top_k").len());
+        assert!(ops("gather_matmul").is_empty());
+        for g in &groups {
+            // E + 1 offsets and the 12 * 2 pairs
+            assert_eq!(g["dtype"], "u32");
+            assert_eq!(g["shape"], serde_json::json!([8 + 1 + 24]));
+            assert_eq!(g["attrs"]["experts"], 8);
+        }
+        let mm = ops("grouped_matmul");
+        assert_eq!(mm.len(), 3 * groups.len());
+        for node in mm {
+            let group = node["inputs"][3].as_u64().unwrap() as usize;
+            assert_eq!(n[group]["op"], "moe_group");
+            assert_eq!(node["weights"].as_array().unwrap().len(), 1);
+            assert_ne!(n[group]["storage"], node["storage"]);
+        }
+    }
+}
+
+#[test]
 fn inspect_describes_fixtures_and_reports_broken_ones() {
     let (ok, out, _) = run(&["inspect", "tests/fixtures/gemma4_moe-q4", "--json"]);
     assert!(ok);

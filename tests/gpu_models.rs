@@ -34,6 +34,78 @@ fn gemma4_moe_fixtures_match_mlx_lm_on_gpu() {
     run(&["gemma4_moe-bf16", "gemma4_moe-q4", "gemma4_moe-nvfp4gs", "gemma4_moe-q4-hfnames", "gemma4_moe-bf16-hffused"]);
 }
 
+/// The prefill of a MoE fixture picks the same experts on the GPU as the CPU reference,
+/// and the GPU groups the pairs exactly as the CPU's stable grouping of those ids.
+#[test]
+fn moe_prefill_expert_choice_matches_cpu() {
+    use markbase::cpu::exec::{run, CpuState, CpuWeights, StepInputs};
+    use markbase::graph::ops::Op;
+    use markbase::graph::passes::{compile, PhasePolicy};
+    use markbase::graph::BuildOptions;
+    use markbase::gpu::runtime::GpuExecutor;
+    use markbase::loader::Checkpoint;
+    use markbase::model::{Executor, GraphKey};
+    use std::sync::Arc;
+    for name in ["gemma4_moe-q4", "gemma4_moe-nvfp4gs", "gemma4_moe-bf16"] {
+        let r = common::reference(name);
+        let t = r.tokens.len();
+        let ck = Checkpoint::open(common::fixture(name)).unwrap();
+        let mut g = ck.build(BuildOptions::prefill(t, 64)).unwrap();
+        let (w, _) = ck.load_weights(&g).unwrap();
+        let w = Arc::new(w);
+        // the router logits, expert ids and groups of every layer become outputs
+        let mut layers = vec![];
+        for n in g.op_nodes().collect::<Vec<_>>() {
+            let node = g.node(n);
+            if let Some(Op::MoeGroup { experts }) = node.op() {
+                let l = node.layer.unwrap();
+                layers.push((l, *experts));
+                for (what, x) in [("router", g.inputs(g.inputs(n)[0])[0]), ("ids", g.inputs(n)[0]), ("groups", n)] {
+                    g.set_output(&format!("l{l}.{what}"), x);
+                }
+            }
+        }
+        assert_eq!(layers.len(), ck.config().num_layers, "{name}: moe_group nodes");
+        let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
+        let positions: Vec<u32> = (0..t as u32).collect();
+        let step = StepInputs { tokens: &r.tokens, positions: &positions, ..Default::default() };
+        let cpu = run(&c, &mut CpuWeights::new(w.clone()), &mut CpuState::default(), &step).unwrap();
+        let mut gpu = GpuExecutor::new(None, w.clone(), false).unwrap();
+        let key = GraphKey { tokens: t, all_logits: true, sample: false };
+        gpu.run(key, &c, &step, false).unwrap();
+        let mut near_ties = 0;
+        for (l, experts) in layers {
+            let out = |what: &str| format!("l{l}.{what}");
+            let (cpu_ids, cpu_groups) = (cpu[&out("ids")].u().to_vec(), cpu[&out("groups")].u().to_vec());
+            let logits = cpu[&out("router")].f().to_vec();
+            let gpu_ids = gpu.read_output(key, &c, &out("ids")).unwrap();
+            let gpu_groups = gpu.read_output(key, &c, &out("groups")).unwrap();
+            // the GPU's grouping is the stable grouping of its own ids
+            assert_eq!(gpu_groups, markbase::cpu::ops::moe_group(&gpu_ids, experts).unwrap(), "{name} layer {l}: grouping");
+            let k = gpu_ids.len() / t;
+            for tok in 0..t {
+                let (a, b) = (&cpu_ids[tok * k..(tok + 1) * k], &gpu_ids[tok * k..(tok + 1) * k]);
+                if a == b {
+                    continue;
+                }
+                // only where the CPU's router logits of the two choices nearly tie
+                let row = &logits[tok * experts..(tok + 1) * experts];
+                let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (&x, &y) in a.iter().zip(b) {
+                    let gap = (row[x as usize] - row[y as usize]).abs();
+                    assert!(gap <= 1e-4 * scale, "{name} layer {l} token {tok}: experts cpu {a:?} gpu {b:?} (logit gap {gap})");
+                }
+                near_ties += 1;
+            }
+            if cpu_ids == gpu_ids {
+                assert_eq!(cpu_groups, gpu_groups, "{name} layer {l}: groups");
+            }
+        }
+        println!("{name}: expert choice identical on CPU and GPU except {near_ties} near-tie tokens");
+        assert!(near_ties <= 2, "{name}: {near_ties} tokens route differently");
+    }
+}
+
 /// Pipelined GPU generation (next step queued before the token is read, the token
 /// fed back on the device) gives the CPU reference's greedy tokens, and the GPU's
 /// sampled tokens follow the same seed as the CPU's sampler.

@@ -322,6 +322,138 @@ fn gather_matmul_decode_and_prefill() {
     }
 }
 
+// ------------------------------------------------------------------ expert grouping, grouped GEMM
+
+/// `t * s` expert ids in `0..e`. `uniform`: any expert; `sparse`: only experts `i % 3 == 1`
+/// (expert 0 and many others get no pair); `skewed`: expert `e / 2` takes about 85%.
+fn routing(r: &mut StdRng, kind: &str, t: usize, s: usize, e: usize) -> Vec<u32> {
+    let e = e as u32;
+    (0..t * s)
+        .map(|_| match kind {
+            "sparse" if e > 1 => 3 * r.gen_range(0..(e + 1) / 3) + 1,
+            "skewed" if r.gen_bool(0.85) => e / 2,
+            _ => r.gen_range(0..e),
+        })
+        .collect()
+}
+
+/// Groups `ids` on the GPU (`Op::MoeGroup`), checks the grouping against the CPU's, and
+/// returns its buffer.
+fn gpu_group(label: &str, ks: &Kernels, ids: &[u32], experts: usize) -> wgpu::Buffer {
+    let gpu = &env().gpu;
+    let mg = ks.moe_group().unwrap();
+    let idb = gpu.upload_u32("ids", ids);
+    let p = gpu.uniform("p", &mg.params(ids.len(), experts));
+    let n = experts + 1 + ids.len();
+    // filled with a marker: every word must be written
+    let out = gpu.upload_u32("groups", &vec![0xdead_beef; n]);
+    let bg = mg.bind_group(&gpu.device, &p, &idb, &out);
+    run(gpu, |pass| mg.dispatch(pass, &bg));
+    let want = cpu::moe_group(ids, experts).unwrap();
+    let got = gpu.read_u32(&out, n).unwrap();
+    if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
+        panic!("moe_group [{label}] P={} E={experts}: word {i}: gpu {} cpu {}", ids.len(), got[i], want[i]);
+    }
+    out
+}
+
+#[test]
+fn moe_group_is_the_cpus_stable_grouping() {
+    let mut r = rng("moe_group");
+    let e = env();
+    // P = T*S from 2 to 4800 (several tiles of ids), E from 1 to 300 (more experts than invocations)
+    for (t, s, ne) in [(13usize, 3usize, 7usize), (1, 2, 5), (300, 8, 128), (600, 8, 128), (5, 4, 300), (700, 2, 3), (9, 1, 1)] {
+        for kind in ["uniform", "sparse", "skewed"] {
+            let ids = routing(&mut r, kind, t, s, ne);
+            for (label, ks) in &e.variants {
+                gpu_group(&format!("{label} {kind} T={t} S={s}"), ks, &ids, ne);
+            }
+        }
+    }
+    // the CPU grouping: offsets, then the pairs of each expert in increasing order
+    let g = cpu::moe_group(&[2, 0, 2, 2, 0, 3], 4).unwrap();
+    assert_eq!(g, vec![0, 2, 2, 5, 6, 1, 4, 0, 2, 3, 5]);
+    assert!(cpu::moe_group(&[0, 4], 4).is_err());
+}
+
+/// One grouped-GEMM case: `ids` routed pairs of `t` tokens, `s` per token, over a random
+/// `[ne, n, k]` stack in `nchunks` chunks; every kernel variant against the CPU, with the
+/// grouping computed on the GPU in the same pass.
+#[allow(clippy::too_many_arguments)]
+fn grouped_case(r: &mut StdRng, fmt: GpuFormat, (ne, n, k): (usize, usize, usize), t: usize, s: usize, kind: &str, nchunks: usize, x_bcast: bool) {
+    let e = env();
+    let gpu = &e.gpu;
+    let wd = random_weight(r, fmt, &[ne, n, k]);
+    let wref = markbase::quant::dequantize(&wd).unwrap();
+    let gw = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[ne, n, k], nchunks))).unwrap();
+    assert_eq!(gw.chunks.len(), nchunks, "{}: chunk count", fmt.describe());
+    let np = t * s;
+    let ids = routing(r, kind, t, s, ne);
+    let x = randn(r, if x_bcast { t * k } else { np * k }, 1.0);
+    let mut want = vec![0f32; np * n];
+    for p in 0..np {
+        let xr = if x_bcast { &x[(p / s) * k..(p / s + 1) * k] } else { &x[p * k..(p + 1) * k] };
+        let ex = ids[p] as usize;
+        cpu::matmul(xr, &wref[ex * n * k..(ex + 1) * n * k], k, n, &mut want[p * n..(p + 1) * n]);
+    }
+    // the CPU lowering computes the same rows (same dot order per row)
+    let groups = cpu::moe_group(&ids, ne).unwrap();
+    let mut cpu_grouped = vec![0f32; np * n];
+    cpu::grouped_matmul(&x, x_bcast, &ids, s, &groups, &wref, n, k, &mut cpu_grouped).unwrap();
+    assert_eq!(cpu_grouped, want, "cpu grouped_matmul {}", fmt.describe());
+    let xb = gpu.upload_f32("x", &x);
+    let what = format!("grouped {} {kind} E={ne} N={n} K={k} T={t} S={s} chunks={nchunks} bcast={x_bcast}", fmt.describe());
+    for (label, ks) in &e.variants {
+        let gb = gpu_group(&format!("{label} {what}"), ks, &ids, ne);
+        let mm = ks.grouped_matmul(fmt, k).unwrap();
+        assert!(mm.kernel.name.starts_with("gemm_grouped"), "{}", mm.kernel.name);
+        // NaN everywhere first: every row must be written
+        let y = gpu.upload_f32("y", &vec![f32::NAN; np * n]);
+        let dims: Vec<MatMulDims> = (0..nchunks).map(|c| MatMulDims::gathered(&gw, c, t, s, x_bcast)).collect();
+        let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+        let bgs: Vec<wgpu::BindGroup> =
+            (0..nchunks).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, Some(&gb), &gw, c)).collect();
+        run(gpu, |pass| {
+            for (c, d) in dims.iter().enumerate() {
+                mm.dispatch(pass, &bgs[c], d);
+            }
+        });
+        check(&format!("{what} [{label}]"), &gpu.read_f32(&y, np * n).unwrap(), &want);
+    }
+}
+
+#[test]
+fn grouped_matmul_every_format_odd_shapes_chunked() {
+    let mut r = rng("grouped_matmul");
+    let kinds = ["uniform", "sparse", "skewed"];
+    for (i, fmt) in formats_for_tests().into_iter().enumerate() {
+        // K = 96 (three 32-steps, not a multiple of the 64-wide tiles) where the group allows
+        let k = match fmt {
+            GpuFormat::Affine { group: 128, .. } => 384,
+            GpuFormat::Affine { group: 64, .. } => 192,
+            GpuFormat::Float(FloatType::F16) => 45,
+            _ => 96,
+        };
+        for (j, (nchunks, x_bcast)) in [(1, true), (3, false), (3, true)].into_iter().enumerate() {
+            grouped_case(&mut r, fmt, (7, 37, k), 13, 3, kinds[(i + j) % 3], nchunks, x_bcast);
+        }
+    }
+}
+
+#[test]
+fn grouped_matmul_several_tiles_per_expert() {
+    let mut r = rng("grouped_matmul_tiles");
+    // one expert with ~250 pairs (4 tiles, the last partial), N over three row tiles
+    for fmt in [
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Nvfp4 { global: true },
+        GpuFormat::Float(FloatType::Bf16),
+    ] {
+        grouped_case(&mut r, fmt, (6, 130, 128), 150, 2, "skewed", 2, false);
+        grouped_case(&mut r, fmt, (6, 130, 128), 150, 2, "uniform", 1, true);
+    }
+}
+
 // ------------------------------------------------------------------ embedding
 
 #[test]
@@ -969,3 +1101,71 @@ fn gemv_bandwidth() {
     }
 }
 
+
+/// Prefill expert matmul, gathered GEMV (one expert weight read per pair) against the
+/// grouping plus grouped GEMM (one read per expert):
+/// `cargo test --release --test kernels -- --ignored grouped_vs_gathered --nocapture`.
+/// Shapes `MARKBASE_BENCH_{E,N,K,S,T}` (default Gemma 4 26B-A4B's gate projection, 256
+/// tokens), affine 4-bit g64, random routing; wall clock, median of `MARKBASE_BENCH_ITERS`.
+#[test]
+#[ignore]
+fn grouped_vs_gathered_bench() {
+    let e = env();
+    let gpu = &e.gpu;
+    let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (ne, n, k) = (envu("MARKBASE_BENCH_E", 128), envu("MARKBASE_BENCH_N", 704), envu("MARKBASE_BENCH_K", 2816));
+    let (s, t, iters) = (envu("MARKBASE_BENCH_S", 8), envu("MARKBASE_BENCH_T", 256), envu("MARKBASE_BENCH_ITERS", 5));
+    let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
+    let mut r = StdRng::seed_from_u64(1);
+    let wd = random_weight(&mut r, fmt, &[ne, n, k]);
+    let gw = upload_weight(gpu, &wd, None).unwrap();
+    let np = t * s;
+    let ids = routing(&mut r, "uniform", t, s, ne);
+    let xb = gpu.upload_f32("x", &randn(&mut r, t * k, 1.0));
+    let idb = gpu.upload_u32("ids", &ids);
+    let groups = gpu.storage("groups", ((ne + 1 + np) * 4) as u64);
+    let y = gpu.storage("y", (np * n * 4) as u64);
+    let ks = &e.variants.last().unwrap().1;
+    let time = |f: &dyn Fn(&mut wgpu::ComputePass<'_>)| {
+        let mut v: Vec<f64> = (0..iters + 1)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                run(gpu, f);
+                t0.elapsed().as_secs_f64()
+            })
+            .skip(1)
+            .collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::gathered(&gw, c, t, s, true)).collect();
+    let gather = ks.matmul(fmt, k, np, true).unwrap();
+    let gp: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &gather.params(d))).collect();
+    let gbg: Vec<wgpu::BindGroup> = (0..dims.len()).map(|c| gather.bind_group(&gpu.device, &gp[c], &xb, &y, Some(&idb), &gw, c)).collect();
+    let gathered = time(&|pass| {
+        for (c, d) in dims.iter().enumerate() {
+            gather.dispatch(pass, &gbg[c], d);
+        }
+    });
+    let mg = ks.moe_group().unwrap();
+    let mgp = gpu.uniform("p", &mg.params(np, ne));
+    let mgbg = mg.bind_group(&gpu.device, &mgp, &idb, &groups);
+    let gm = ks.grouped_matmul(fmt, k).unwrap();
+    let qp: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &gm.params(d))).collect();
+    let qbg: Vec<wgpu::BindGroup> = (0..dims.len()).map(|c| gm.bind_group(&gpu.device, &qp[c], &xb, &y, Some(&groups), &gw, c)).collect();
+    let group_only = time(&|pass| mg.dispatch(pass, &mgbg));
+    let grouped = time(&|pass| {
+        mg.dispatch(pass, &mgbg);
+        for (c, d) in dims.iter().enumerate() {
+            gm.dispatch(pass, &qbg[c], d);
+        }
+    });
+    println!(
+        "BENCH experts E={ne} N={n} K={k} S={s} T={t} {}: gathered GEMV {:.2} ms, grouping {:.2} ms + grouped GEMM = {:.2} ms ({:.1}x)",
+        fmt.describe(),
+        gathered * 1e3,
+        group_only * 1e3,
+        grouped * 1e3,
+        gathered / grouped
+    );
+}

@@ -26,9 +26,9 @@ struct Params {
     e_count: u32,    // GATHER: experts held by this chunk
     S: u32,          // GATHER: experts per token
     x_bcast: u32,    // GATHER: 1 when x is [T, K] (shared by the S pairs of a token)
+    E: u32,          // experts of the stack (read by the grouped GEMM only)
     norm_mode: u32,  // PRENORM: 0 no weight, 1 w, 2 1 + w
     norm_eps: f32,   // PRENORM
-    _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

@@ -454,10 +454,17 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let wg = b.w(&p("experts.switch_glu.gate_proj"), l, &[e, im, h], true);
             let wu = b.w(&p("experts.switch_glu.up_proj"), l, &[e, im, h], true);
             let wd = b.w(&p("experts.switch_glu.down_proj"), l, &[e, h, im], true);
-            let eg = b.op("expert_gate", l, Op::GatherMatMul, &[x2, ids, wg])?;
-            let eu = b.op("expert_up", l, Op::GatherMatMul, &[x2, ids, wu])?;
+            // Several tokens: the pairs are grouped by expert once, and each expert's
+            // weights are multiplied with all its rows at once. One token: a gathered GEMV.
+            let groups = if t > 1 { Some(b.op("expert_groups", l, Op::MoeGroup { experts: e }, &[ids])?) } else { None };
+            let expert_mm = |b: &mut B, name: &str, x: NodeIndex, w: NodeIndex| match groups {
+                Some(gr) => b.op(name, l, Op::GroupedMatMul, &[x, ids, w, gr]),
+                None => b.op(name, l, Op::GatherMatMul, &[x, ids, w]),
+            };
+            let eg = expert_mm(&mut b, "expert_gate", x2, wg)?;
+            let eu = expert_mm(&mut b, "expert_up", x2, wu)?;
             let egu = b.op("expert_geglu", l, Op::GeGlu, &[eg, eu])?;
-            let ed = b.op("expert_down", l, Op::GatherMatMul, &[egu, ids, wd])?;
+            let ed = expert_mm(&mut b, "expert_down", egu, wd)?;
             let h2 = b.op("expert_sum", l, Op::WeightedSum, &[ed, wgt])?;
             let h2 = b.norm("post_ff_norm_2", l, h2, Some(&p("post_feedforward_layernorm_2.weight")), conv)?;
             u = b.add("ff_sum", l, h1, h2)?;

@@ -108,6 +108,17 @@ pub enum Op {
     /// row `(t, s)` multiplied by expert `ids[t, s]`. `S` = experts per token;
     /// `x` may also be `f32[T, K]` (broadcast over S).
     GatherMatMul,
+    /// `[ids: u32[T, S]] -> u32[E + 1 + T*S]`: the (token, expert) pairs `p = t*S + s`
+    /// grouped by expert. Words `0..=E` are offsets: expert `e`'s pairs are entries
+    /// `offsets[e]..offsets[e + 1]` of the list that follows (`offsets[E]` = pairs with
+    /// an expert `< E`, i.e. T*S for valid ids). Words `E + 1..` list the pair indices
+    /// by expert, increasing inside each expert (a stable sort of the pairs by expert).
+    MoeGroup { experts: usize },
+    /// `[x, ids, w: weight[E, N, K], groups: u32[E + 1 + T*S]] -> f32[T, S, N]`: the
+    /// result of [`Op::GatherMatMul`] on `[x, ids, w]`, computed expert by expert over
+    /// the pairs of `groups` (the [`Op::MoeGroup`] of `ids`): each expert's weights are
+    /// read once for all its pairs (prefill).
+    GroupedMatMul,
     /// `[x: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`.
     RmsNorm { eps: f32, scale: NormScale },
     /// `[x: f32[.., D], res: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`:
@@ -172,6 +183,8 @@ impl Op {
             Op::Embed { .. } => "embed",
             Op::MatMul => "matmul",
             Op::GatherMatMul => "gather_matmul",
+            Op::MoeGroup { .. } => "moe_group",
+            Op::GroupedMatMul => "grouped_matmul",
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormAdd { .. } => "rms_norm_add",
             Op::NormMatMul { .. } => "norm_matmul",
@@ -224,6 +237,7 @@ impl Op {
             Op::Unary { f: UnaryOp::Scale { factor } } => format!("factor={factor}"),
             Op::Unary { f: UnaryOp::Softcap { cap } } => format!("cap={cap}"),
             Op::TopK { k } => format!("k={k}"),
+            Op::MoeGroup { experts } => format!("experts={experts}"),
             Op::Reshape { shape } => format!("shape={shape:?}"),
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
             Op::Concat { axis } => format!("axis={axis}"),
@@ -281,22 +295,26 @@ impl Op {
             }
             Op::GatherMatMul => {
                 need(3)?;
-                let x = f32_in(0)?;
+                gather_shape(f32_in(0)?, u32_in(1)?, inputs[2]).map_err(err)
+            }
+            Op::MoeGroup { experts } => {
+                need(1)?;
+                let ids = u32_in(0)?;
+                if ids.shape.len() != 2 || *experts == 0 {
+                    return Err(err(format!("ids {} experts {experts}", ids.describe())));
+                }
+                Ok(TensorType::u32(&[experts + 1 + ids.numel()]))
+            }
+            Op::GroupedMatMul => {
+                need(4)?;
                 let ids = u32_in(1)?;
-                let w = inputs[2];
-                if ids.shape.len() != 2 || w.shape.len() != 3 {
-                    return Err(err(format!("ids {} w {}", ids.describe(), w.describe())));
+                let out = gather_shape(f32_in(0)?, ids, inputs[2]).map_err(err)?;
+                let groups = u32_in(3)?;
+                let e = inputs[2].shape[0];
+                if groups.shape != [e + 1 + ids.numel()] {
+                    return Err(err(format!("groups {} for {e} experts and ids {}", groups.describe(), ids.describe())));
                 }
-                let (t, s) = (ids.shape[0], ids.shape[1]);
-                let ok = match x.shape.as_slice() {
-                    [xt, xk] => *xt == t && *xk == w.shape[2],
-                    [xt, xs, xk] => *xt == t && *xs == s && *xk == w.shape[2],
-                    _ => false,
-                };
-                if !ok {
-                    return Err(err(format!("x {} ids {} w {}", x.describe(), ids.describe(), w.describe())));
-                }
-                Ok(TensorType::f32(&[t, s, w.shape[1]]))
+                Ok(out)
             }
             Op::RmsNorm { scale, .. } => {
                 let x = f32_in(0)?;
@@ -486,4 +504,21 @@ impl Op {
             }
         }
     }
+}
+
+/// Output type of a gathered matmul `[x, ids, w]` (see [`Op::GatherMatMul`]).
+fn gather_shape(x: &TensorType, ids: &TensorType, w: &TensorType) -> Result<TensorType, String> {
+    if ids.shape.len() != 2 || w.shape.len() != 3 {
+        return Err(format!("ids {} w {}", ids.describe(), w.describe()));
+    }
+    let (t, s) = (ids.shape[0], ids.shape[1]);
+    let ok = match x.shape.as_slice() {
+        [xt, xk] => *xt == t && *xk == w.shape[2],
+        [xt, xs, xk] => *xt == t && *xs == s && *xk == w.shape[2],
+        _ => false,
+    };
+    if !ok {
+        return Err(format!("x {} ids {} w {}", x.describe(), ids.describe(), w.describe()));
+    }
+    Ok(TensorType::f32(&[t, s, w.shape[1]]))
 }

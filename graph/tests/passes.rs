@@ -88,6 +88,16 @@ fn random_graph(choices: &[(u8, usize, usize, usize)], width: usize) -> Graph {
         None,
         WeightParam { name: "w2".into(), shape: vec![2 * width, width], format: WeightFormat::Float { dtype: FloatType::F32 }, module: true },
     );
+    let experts = g.weight(
+        "experts",
+        None,
+        WeightParam {
+            name: "experts".into(),
+            shape: vec![width, width, width],
+            format: WeightFormat::Float { dtype: FloatType::F32 },
+            module: true,
+        },
+    );
     let cache = g.state("cache", None, StateKind::KvCache { layer: 0, value: false }, TensorType::f32(&[8, 1, width]));
     // Seed value: x = tokens-independent matmul chain needs an f32 start.
     let seed = g.weight(
@@ -106,7 +116,7 @@ fn random_graph(choices: &[(u8, usize, usize, usize)], width: usize) -> Graph {
         let (x, y) = (pick(a), pick(b));
         let layer = Some(layer % 3);
         let name = format!("n{i}");
-        let r = match kind % 9 {
+        let r = match kind % 10 {
             0 => g.op(&name, layer, Op::Binary { f: BinaryOp::Add }, &[x, y]),
             1 => g.op(&name, layer, Op::Unary { f: UnaryOp::Gelu }, &[x]),
             2 => g.op(&name, layer, Op::MatMul, &[x, w]),
@@ -129,6 +139,16 @@ fn random_graph(choices: &[(u8, usize, usize, usize)], width: usize) -> Graph {
                 let a = g.op(&format!("{name}.att"), layer, Op::Attention { scale: 1.0, window: None }, &[q, pos, kc, kc]).unwrap();
                 g.op(&name, layer, Op::Reshape { shape: vec![t, width] }, &[a])
             }
+            8 => {
+                // MoE routing: 2 of `width` experts per token, grouped, two grouped matmuls
+                let logits = g.op(&format!("{name}.router"), layer, Op::MatMul, &[x, w]).unwrap();
+                let ids = g.op(&format!("{name}.ids"), layer, Op::TopK { k: 2 }, &[logits]).unwrap();
+                let wt = g.op(&format!("{name}.wt"), layer, Op::TopKSoftmax, &[logits, ids]).unwrap();
+                let gr = g.op(&format!("{name}.groups"), layer, Op::MoeGroup { experts: width }, &[ids]).unwrap();
+                let h = g.op(&format!("{name}.up"), layer, Op::GroupedMatMul, &[y, ids, experts, gr]).unwrap();
+                let h = g.op(&format!("{name}.down"), layer, Op::GroupedMatMul, &[h, ids, experts, gr]).unwrap();
+                g.op(&name, layer, Op::WeightedSum, &[h, wt])
+            }
             _ => g.op(&name, layer, Op::Binary { f: BinaryOp::Mul }, &[y, x]),
         };
         vals.push(r.unwrap());
@@ -147,7 +167,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
     #[test]
     fn random_dags_keep_invariants(
-        choices in proptest::collection::vec((0u8..9, 0usize..64, 0usize..64, 0usize..3), 1..60),
+        choices in proptest::collection::vec((0u8..10, 0usize..64, 0usize..64, 0usize..3), 1..60),
         width in 2usize..40,
         per_layer in any::<bool>(),
     ) {
@@ -266,4 +286,65 @@ fn gemma3_12b_uses_linear_rope_on_global_layers_only() {
         assert_eq!(f, if global { 8.0 } else { 1.0 }, "layer {l}");
     }
     assert_eq!(cfg.vocab_size, 262208);
+}
+
+#[test]
+fn gemma4_moe_prefill_groups_pairs_and_decode_gathers() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gemma4_moe-q4/config.json");
+    let cfg = ModelConfig::from_json_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let (layers, experts) = (cfg.num_layers, cfg.num_experts.unwrap());
+    for (opts, grouped) in [(BuildOptions::decode(256, 32), false), (BuildOptions::prefill(2, 256), true), (BuildOptions::prefill(37, 256), true)] {
+        for policy in [PhasePolicy::EmbedLayersHead, PhasePolicy::PerLayer] {
+            let c = compile(build_from_config(&cfg, &opts).unwrap(), policy).unwrap();
+            assert_properties(&c);
+            let g = &c.graph;
+            let (mut groups, mut grouped_mm, mut gather_mm) = (0, 0, 0);
+            for n in g.op_nodes() {
+                match g.node(n).op().unwrap() {
+                    Op::MoeGroup { experts: e } => {
+                        assert_eq!(*e, experts);
+                        assert!(matches!(g.node(g.inputs(n)[0]).op(), Some(Op::TopK { .. })));
+                        assert_eq!(g.node(n).ty, TensorType::u32(&[experts + 1 + opts.tokens * cfg.top_k_experts.unwrap()]));
+                        groups += 1;
+                    }
+                    Op::GroupedMatMul => {
+                        // the groups of its own ids
+                        let ins = g.inputs(n);
+                        assert!(matches!(g.node(ins[3]).op(), Some(Op::MoeGroup { .. })));
+                        assert_eq!(g.inputs(ins[3])[0], ins[1]);
+                        grouped_mm += 1;
+                    }
+                    Op::GatherMatMul => gather_mm += 1,
+                    _ => {}
+                }
+            }
+            let want = if grouped { (layers, 3 * layers, 0) } else { (0, 0, 3 * layers) };
+            assert_eq!((groups, grouped_mm, gather_mm), want, "tokens {}", opts.tokens);
+        }
+    }
+    let mk = || {
+        let c = compile(build_from_config(&cfg, &BuildOptions::prefill(9, 256)).unwrap(), PhasePolicy::EmbedLayersHead).unwrap();
+        (dump::to_text(&c), serde_json::to_string(&dump::to_json(&c)).unwrap(), dump::to_dot(&c))
+    };
+    let a = mk();
+    assert!(a.0.contains("moe_group") && a.1.contains("\"grouped_matmul\""));
+    assert_eq!(a, mk());
+}
+
+#[test]
+fn expert_op_shape_rules() {
+    let ids = TensorType::u32(&[5, 2]);
+    let x = TensorType::f32(&[5, 16]);
+    let w = TensorType::f32(&[4, 8, 16]);
+    let groups = Op::MoeGroup { experts: 4 }.infer(&[&ids]).unwrap();
+    assert_eq!(groups, TensorType::u32(&[15]));
+    assert!(Op::MoeGroup { experts: 0 }.infer(&[&ids]).is_err());
+    assert!(Op::MoeGroup { experts: 4 }.infer(&[&x]).is_err());
+    assert_eq!(Op::GroupedMatMul.infer(&[&x, &ids, &w, &groups]).unwrap(), TensorType::f32(&[5, 2, 8]));
+    let x3 = TensorType::f32(&[5, 2, 16]);
+    assert_eq!(Op::GroupedMatMul.infer(&[&x3, &ids, &w, &groups]).unwrap(), TensorType::f32(&[5, 2, 8]));
+    // groups of another expert count or pair count
+    assert!(Op::GroupedMatMul.infer(&[&x, &ids, &w, &TensorType::u32(&[14])]).is_err());
+    assert!(Op::GroupedMatMul.infer(&[&x, &ids, &w]).is_err());
+    assert!(Op::GroupedMatMul.infer(&[&x, &ids, &w, &x]).is_err());
 }

@@ -175,6 +175,22 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         }
                         Val::F(Rc::new(out))
                     }
+                    Op::MoeGroup { experts } => {
+                        let ids = get(&vals, ins[0]);
+                        Val::U(Rc::new(ops::moe_group(ids.u(), *experts)?))
+                    }
+                    Op::GroupedMatMul => {
+                        let x = get(&vals, ins[0]);
+                        let ids = get(&vals, ins[1]);
+                        let wt = weight_or_value(g, w, &vals, ins[2])?;
+                        let groups = get(&vals, ins[3]);
+                        let ws = &g.node(ins[2]).ty.shape;
+                        let s = g.node(ins[1]).ty.shape[1];
+                        let x_bcast = g.node(ins[0]).ty.shape.len() == 2;
+                        ops::grouped_matmul(x.f(), x_bcast, ids.u(), s, groups.u(), &wt, ws[1], ws[2], &mut out)
+                            .map_err(|e| format!("node {}: {e}", node.name))?;
+                        Val::F(Rc::new(out))
+                    }
                     Op::RmsNorm { eps, scale } => {
                         let x = get(&vals, ins[0]);
                         let wt = if ins.len() > 1 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };

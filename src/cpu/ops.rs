@@ -205,6 +205,84 @@ pub fn matmul(x: &[f32], w: &[f32], k: usize, n: usize, out: &mut [f32]) {
     }
 }
 
+/// Groups the (token, expert) pairs `p = t*S + s` of `ids` by expert (the layout of
+/// `Op::MoeGroup`): `experts + 1` offsets, then the pair indices of each expert in
+/// increasing order.
+pub fn moe_group(ids: &[u32], experts: usize) -> Result<Vec<u32>, String> {
+    let mut counts = vec![0u32; experts];
+    for (p, &e) in ids.iter().enumerate() {
+        let c = counts.get_mut(e as usize).ok_or_else(|| format!("pair {p}: expert id {e} out of range ({experts} experts)"))?;
+        *c += 1;
+    }
+    let mut out = vec![0u32; experts + 1 + ids.len()];
+    for e in 0..experts {
+        out[e + 1] = out[e] + counts[e];
+    }
+    let mut next = out[..experts].to_vec();
+    for (p, &e) in ids.iter().enumerate() {
+        let slot = &mut next[e as usize];
+        out[experts + 1 + *slot as usize] = p as u32;
+        *slot += 1;
+    }
+    Ok(out)
+}
+
+/// `Op::GroupedMatMul`: for each expert `e` of `groups` (see [`moe_group`]), the x rows of
+/// its pairs times `w[e]` (`[n, k]`, dequantized), written to the pairs' rows of `out`
+/// (`[T*S, n]`). `s`: experts per token; `x_bcast`: x is `[T, k]` (pair `p` reads row
+/// `p / s`), else `[T*S, k]`. Checks that `groups` lists every pair once, under the
+/// expert `ids` gives it.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_matmul(
+    x: &[f32],
+    x_bcast: bool,
+    ids: &[u32],
+    s: usize,
+    groups: &[u32],
+    w: &[f32],
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let np = ids.len();
+    let experts = groups.len().checked_sub(np + 1).ok_or_else(|| format!("groups of {} words for {np} pairs", groups.len()))?;
+    if w.len() != experts * n * k || out.len() != np * n || s == 0 || x.len() != if x_bcast { np / s * k } else { np * k } {
+        return Err(format!("grouped matmul: {experts} experts, w {} x {} out {} for {np} pairs, n {n} k {k}", w.len(), x.len(), out.len()));
+    }
+    let (offsets, order) = groups.split_at(experts + 1);
+    if offsets[experts] as usize != np {
+        return Err(format!("groups cover {} of {np} pairs", offsets[experts]));
+    }
+    let mut seen = vec![false; np];
+    for e in 0..experts {
+        let (a, b) = (offsets[e] as usize, offsets[e + 1] as usize);
+        if a > b || b > np {
+            return Err(format!("expert {e}: group offsets {a}..{b} of {np}"));
+        }
+        let pairs = &order[a..b];
+        if pairs.is_empty() {
+            continue;
+        }
+        let mut xe = Vec::with_capacity(pairs.len() * k);
+        for &p in pairs {
+            let p = p as usize;
+            if p >= np || seen[p] || ids[p] as usize != e {
+                return Err(format!("expert {e}: pair {p} does not belong to its group"));
+            }
+            seen[p] = true;
+            let r = if x_bcast { p / s } else { p };
+            xe.extend_from_slice(&x[r * k..(r + 1) * k]);
+        }
+        let mut ye = vec![0f32; pairs.len() * n];
+        matmul(&xe, &w[e * n * k..(e + 1) * n * k], k, n, &mut ye);
+        for (i, &p) in pairs.iter().enumerate() {
+            let p = p as usize;
+            out[p * n..(p + 1) * n].copy_from_slice(&ye[i * n..(i + 1) * n]);
+        }
+    }
+    Ok(())
+}
+
 /// Indices of the `k` largest entries of each row (ties: lower index first).
 pub fn top_k(logits: &[f32], e: usize, k: usize, out: &mut [u32]) {
     for (lr, or) in logits.chunks_exact(e).zip(out.chunks_exact_mut(k)) {

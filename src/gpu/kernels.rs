@@ -36,6 +36,7 @@ const ATTENTION: &str = include_str!("../../wgsl/attention.wgsl");
 const ATTN_COMBINE: &str = include_str!("../../wgsl/attn_combine.wgsl");
 const ELEMENTWISE: &str = include_str!("../../wgsl/elementwise.wgsl");
 const ROUTING: &str = include_str!("../../wgsl/routing.wgsl");
+const MOE_GROUP: &str = include_str!("../../wgsl/moe_group.wgsl");
 const COPY: &str = include_str!("../../wgsl/copy.wgsl");
 const ARGMAX: &str = include_str!("../../wgsl/argmax.wgsl");
 const SAMPLE: &str = include_str!("../../wgsl/sample.wgsl");
@@ -52,6 +53,7 @@ pub const MAX_ROPE_PAIRS: usize = 256;
 const ATTN_WG: u32 = 128;
 const ELEM_WG: u32 = 256;
 const NORM_WG: u32 = 128;
+const MOE_GROUP_WG: u32 = 256;
 
 fn dt_code(t: FloatType) -> u32 {
     match t {
@@ -70,6 +72,8 @@ pub enum KernelSpec {
     /// weight's dtype (`Some(None)`: no weight).
     Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>> },
     Gemm { fmt: GpuFormat },
+    /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
+    GroupedGemm { fmt: GpuFormat },
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`).
     RmsNorm { w: Option<FloatType>, res: bool },
@@ -84,6 +88,8 @@ pub enum KernelSpec {
     TopK,
     TopKSoftmax { scale: Option<FloatType> },
     WeightedSum,
+    /// `Op::MoeGroup` (one workgroup).
+    MoeGroup,
     Copy,
     Argmax { wg: u32 },
     /// `Op::Sample` (see [`super::sample`]).
@@ -143,6 +149,7 @@ impl KernelSpec {
                 if *xvec { "" } else { " masked" }
             ),
             KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
+            KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
             KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
             KernelSpec::RmsNorm { w, res } => format!("rms_norm[{}{}]", w.map_or("none", |t| t.name()), if *res { " add" } else { "" }),
             KernelSpec::Rope => "rope".into(),
@@ -155,6 +162,7 @@ impl KernelSpec {
             KernelSpec::TopK => "top_k".into(),
             KernelSpec::TopKSoftmax { scale } => format!("top_k_softmax[{}]", scale.map_or("none", |t| t.name())),
             KernelSpec::WeightedSum => "weighted_sum".into(),
+            KernelSpec::MoeGroup => "moe_group".into(),
             KernelSpec::Copy => "copy".into(),
             KernelSpec::Argmax { wg } => format!("argmax[wg{wg}]"),
             KernelSpec::Sample => "sample".into(),
@@ -182,6 +190,9 @@ impl KernelSpec {
                 weight_source(s, fmt, true, xvec)
             }
             KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false),
+            KernelSpec::GroupedGemm { fmt } => {
+                weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false)
+            }
             KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false),
             KernelSpec::RmsNorm { w, res } => Source::new(&[COMMON, RMSNORM])
                 .c("WG", NORM_WG)
@@ -210,6 +221,7 @@ impl KernelSpec {
                 .flag("TOPK_SOFTMAX", true)
                 .flag("HAS_SCALE", scale.is_some()),
             KernelSpec::WeightedSum => Source::new(&[COMMON, ROUTING]).c("WG", ELEM_WG).c("SDT", 2).flag("WSUM", true),
+            KernelSpec::MoeGroup => Source::new(&[COMMON, MOE_GROUP]).c("WG", MOE_GROUP_WG),
             KernelSpec::Copy => Source::new(&[COMMON, COPY]).c("WG", ELEM_WG),
             KernelSpec::Argmax { wg } => Source::new(&[COMMON, ARGMAX]).c("WG", wg),
             KernelSpec::Sample => Source::new(&[COMMON, SAMPLE]).c("WG", 128),
@@ -236,6 +248,7 @@ impl KernelSpec {
                 }
             }
             v.push(KernelSpec::Gemm { fmt });
+            v.push(KernelSpec::GroupedGemm { fmt });
             v.push(KernelSpec::Embed { fmt });
         }
         for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
@@ -259,6 +272,7 @@ impl KernelSpec {
             KernelSpec::Unary,
             KernelSpec::TopK,
             KernelSpec::WeightedSum,
+            KernelSpec::MoeGroup,
             KernelSpec::Copy,
             KernelSpec::Argmax { wg: 256 },
             KernelSpec::Argmax { wg: 1024 },
@@ -510,10 +524,24 @@ impl Kernels {
         self.matmul_spec(spec)
     }
 
-    /// A matmul launcher for an explicit `Gemv`/`Gemm` spec (tests, tuning).
+    /// A matmul launcher for an explicit `Gemv`/`Gemm`/`GroupedGemm` spec (tests, tuning).
     pub fn matmul_spec(&self, spec: KernelSpec) -> Result<MatMulKernel, GpuError> {
-        assert!(matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::Gemm { .. }), "not a matmul spec: {spec:?}");
+        if !matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. }) {
+            return Err(GpuError::Kernel { name: spec.name(), msg: "not a matmul spec".into() });
+        }
         Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
+    }
+
+    /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
+    /// Dims: [`MatMulDims::gathered`]; binding 3 is the `Op::MoeGroup` value.
+    pub fn grouped_matmul(&self, fmt: GpuFormat, k: usize) -> Result<MatMulKernel, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "grouped_matmul".into(), msg: m })?;
+        self.matmul_spec(KernelSpec::GroupedGemm { fmt })
+    }
+
+    /// `Op::MoeGroup`.
+    pub fn moe_group(&self) -> Result<MoeGroupKernel, GpuError> {
+        Ok(MoeGroupKernel { kernel: self.get(KernelSpec::MoeGroup)? })
     }
 
     pub fn embed(&self, fmt: GpuFormat) -> Result<EmbedKernel, GpuError> {
@@ -597,10 +625,11 @@ pub struct MatMulParams {
     pub e_count: u32,
     pub s: u32,
     pub x_bcast: u32,
+    /// Experts of the whole stack (grouped GEMM: where the pair list starts).
+    pub experts: u32,
     /// Fused norm (`Gemv` with `norm`): 0 no weight, 1 `w`, 2 `1 + w`; and its epsilon.
     pub norm_mode: u32,
     pub norm_eps: f32,
-    pub _pad: u32,
 }
 
 /// Shape of one matmul dispatch (one weight chunk).
@@ -630,6 +659,8 @@ pub struct GatherDims {
     pub e_count: usize,
     /// x is `[T, K]`, shared by a token's S pairs (else `[T, S, K]`).
     pub x_bcast: bool,
+    /// Experts of the whole stack.
+    pub experts: usize,
 }
 
 impl MatMulDims {
@@ -651,14 +682,15 @@ impl MatMulDims {
             rows: w.rows_per_expert,
             row_start: 0,
             ldy: w.rows_per_expert,
-            gather: Some(GatherDims { s, e_start, e_count, x_bcast }),
+            gather: Some(GatherDims { s, e_start, e_count, x_bcast, experts: w.experts }),
             norm: None,
         }
     }
 }
 
-/// Matmul launcher. Bindings: 0 params, 1 x (f32), 2 y (f32, written), 3 ids (u32 `[T*S]`,
-/// gathered only), 4 norm weight (fused norm with a weight), 8 packed weights, 9 scales, 10 biases, 11 global scale (as the format has them).
+/// Matmul launcher. Bindings: 0 params, 1 x (f32), 2 y (f32, written), 3 routing (gathered
+/// GEMV: the ids, u32 `[T*S]`; grouped GEMM: the `Op::MoeGroup` value), 4 norm weight (fused
+/// norm with a weight), 8 packed weights, 9 scales, 10 biases, 11 global scale (as the format has them).
 pub struct MatMulKernel {
     pub kernel: Arc<Kernel>,
     pub spec: KernelSpec,
@@ -671,7 +703,7 @@ impl MatMulKernel {
     }
 
     pub fn params(&self, d: &MatMulDims) -> MatMulParams {
-        let g = d.gather.unwrap_or(GatherDims { s: 1, e_start: 0, e_count: 0, x_bcast: false });
+        let g = d.gather.unwrap_or(GatherDims { s: 1, e_start: 0, e_count: 0, x_bcast: false, experts: 0 });
         MatMulParams {
             t: d.t as u32,
             k: d.k as u32,
@@ -682,9 +714,9 @@ impl MatMulKernel {
             e_count: g.e_count as u32,
             s: g.s as u32,
             x_bcast: g.x_bcast as u32,
+            experts: g.experts as u32,
             norm_mode: d.norm.map_or(0, |(s, _)| norm_mode(s)),
             norm_eps: d.norm.map_or(0.0, |(_, e)| e),
-            _pad: 0,
         }
     }
 
@@ -694,6 +726,11 @@ impl MatMulKernel {
             KernelSpec::Gemv { rows, tt, gather, .. } => {
                 let ty = if gather { d.t } else { div_ceil(d.t, tt as usize) };
                 [div_ceil(d.rows, rows as usize).min(m) as u32, ty.min(m) as u32, 1]
+            }
+            KernelSpec::GroupedGemm { .. } => {
+                // a slot per possible tile: each expert's last tile may be partial
+                let experts = d.gather.map_or(0, |g| g.e_count);
+                [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
             _ => [div_ceil(d.rows, 64).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, 1],
         }
@@ -706,13 +743,13 @@ impl MatMulKernel {
         params: &wgpu::Buffer,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
-        ids: Option<&wgpu::Buffer>,
+        routing: Option<&wgpu::Buffer>,
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
         let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
-        if let Some(ids) = ids {
-            res.push((3, ids.as_entire_binding()));
+        if let Some(r) = routing {
+            res.push((3, r.as_entire_binding()));
         }
         res.extend(w.bindings(c));
         self.kernel.bind_group(device, &res)
@@ -1119,6 +1156,35 @@ impl RoutingKernel {
     }
     pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, invocations: usize) {
         self.kernel.dispatch(pass, bg, self.groups(invocations));
+    }
+}
+
+// -------------------------------------------------------------------- expert grouping
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct MoeGroupParams {
+    /// Pairs (T*S).
+    pub pairs: u32,
+    pub experts: u32,
+    pub _pad: [u32; 2],
+}
+
+/// `Op::MoeGroup` (one workgroup). Bindings: 0 params, 1 ids (u32 `[T*S]`), 2 out
+/// (u32 `[E + 1 + T*S]`).
+pub struct MoeGroupKernel {
+    pub kernel: Arc<Kernel>,
+}
+
+impl MoeGroupKernel {
+    pub fn params(&self, pairs: usize, experts: usize) -> MoeGroupParams {
+        MoeGroupParams { pairs: pairs as u32, experts: experts as u32, _pad: [0; 2] }
+    }
+    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, ids: &wgpu::Buffer, out: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.kernel.bind_buffers(device, &[(0, params), (1, ids), (2, out)])
+    }
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup) {
+        self.kernel.dispatch(pass, bg, [1, 1, 1]);
     }
 }
 

@@ -276,6 +276,26 @@ impl GpuExecutor {
                             push(k.kernel.clone(), bg, k.groups(&d));
                         }
                     }
+                    Op::MoeGroup { experts } => {
+                        let pairs = g.node(ins[0]).ty.numel();
+                        let k = self.kernels.moe_group().map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(pairs, *experts)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?);
+                        push(k.kernel.clone(), bg, [1, 1, 1]);
+                    }
+                    Op::GroupedMatMul => {
+                        let w = mat(2)?;
+                        let ids_shape = shape_of(1);
+                        let (t, s) = (ids_shape[0], ids_shape[1]);
+                        let bcast = g.node(ins[0]).ty.shape.len() == 2;
+                        let k = self.kernels.grouped_matmul(w.format, w.k).map_err(kerr)?;
+                        for ci in 0..w.chunks.len() {
+                            let d = MatMulDims::gathered(w, ci, t, s, bcast);
+                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
+                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&buf(ins[3])?), w, ci);
+                            push(k.kernel.clone(), bg, k.groups(&d));
+                        }
+                    }
                     Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } => {
                         let rows = node.ty.rows();
                         let d = node.ty.last();
@@ -478,6 +498,25 @@ impl GpuExecutor {
             logits_bytes,
             queries: None,
         })
+    }
+
+    /// The kernel of each dispatch of graph `key` (prepared by a step), in execution order.
+    pub fn dispatch_kernels(&self, key: GraphKey) -> Option<Vec<(NodeIndex, String)>> {
+        let p = self.prepared.get(&key)?;
+        Some(p.phases.iter().flatten().map(|d| (d.node, d.kernel.name.clone())).collect())
+    }
+
+    /// The value of output `name` of graph `key` (compiled as `c`) after its last step, as
+    /// raw 32-bit words (f32 values as their bits). Waits for the steps in flight.
+    pub fn read_output(&mut self, key: GraphKey, c: &Compiled, name: &str) -> Result<Vec<u32>, String> {
+        self.drain()?;
+        let n = c.graph.output(name).ok_or_else(|| format!("graph has no output {name}"))?;
+        let p = self.prepared.get(&key).ok_or("graph not run yet")?;
+        let b = match c.alloc.storage[c.graph.storage_root(n).index()] {
+            Storage::Pool(b) => p.pool[b as usize].clone(),
+            s => return Err(format!("output {name} is not an intermediate value ({s:?})")),
+        };
+        self.gpu.read_u32(&b, c.graph.node(n).ty.numel()).map_err(err)
     }
 
     fn make_queries(&self, p: &Prepared, level: Profile) -> Option<Queries> {

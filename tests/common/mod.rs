@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use markbase::model::{DeviceKind, Model, ModelOptions};
+use markbase::graph::ops::Op;
+use markbase::model::{DeviceKind, GraphKey, Model, ModelOptions};
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
@@ -64,6 +65,9 @@ pub fn check_fixture(name: &str, device: DeviceKind) -> (f32, f32) {
     let rows = m.logits(&r.tokens).unwrap_or_else(|e| panic!("{name}: {e}"));
     let got: Vec<f32> = rows.concat();
     let (d1, s) = compare(&format!("{name} prefill"), &got, &r.prefill, r.vocab);
+    if m.config.enable_moe_block {
+        check_expert_path(name, &mut m, GraphKey { tokens: r.tokens.len(), all_logits: true, sample: false }, true);
+    }
     m.reset();
     m.forward(&r.tokens[..20], false, None).unwrap();
     let mut dec = vec![];
@@ -71,8 +75,41 @@ pub fn check_fixture(name: &str, device: DeviceKind) -> (f32, f32) {
         let out = m.forward(&r.tokens[20 + j..21 + j], true, None).unwrap();
         dec.extend(out.logits.unwrap());
     }
+    if m.config.enable_moe_block {
+        check_expert_path(name, &mut m, GraphKey { tokens: 1, all_logits: true, sample: false }, false);
+    }
     let (d2, _) = compare(&format!("{name} decode"), &dec, &r.decode, r.vocab);
     (d1.max(d2), s)
+}
+
+/// The expert matmuls of graph `key` (run once already): `grouped` (prefill) = one
+/// `moe_group` per layer feeding three `grouped_matmul`s, which the GPU runs with the
+/// grouped GEMM; else (decode) the gathered matmul, a gathered GEMV on the GPU.
+pub fn check_expert_path(name: &str, m: &mut Model, key: GraphKey, grouped: bool) {
+    let layers = m.config.num_layers;
+    let g = m.graph(key).unwrap().graph.clone();
+    let count = |f: &dyn Fn(&Op) -> bool| g.op_nodes().filter(|&n| f(g.node(n).op().unwrap())).count();
+    let groups = count(&|o| matches!(o, Op::MoeGroup { .. }));
+    let grouped_mm = count(&|o| matches!(o, Op::GroupedMatMul));
+    let gather_mm = count(&|o| matches!(o, Op::GatherMatMul));
+    if grouped {
+        assert_eq!((groups, grouped_mm, gather_mm), (layers, 3 * layers, 0), "{name}: prefill expert ops");
+    } else {
+        assert_eq!((groups, grouped_mm, gather_mm), (0, 0, 3 * layers), "{name}: decode expert ops");
+    }
+    let Some(kernels) = m.gpu_kernels(key) else { return };
+    let mut seen = 0;
+    for (n, kernel) in kernels {
+        let ok = match g.node(n).op().unwrap() {
+            Op::MoeGroup { .. } => kernel == "moe_group",
+            Op::GroupedMatMul => kernel.starts_with("gemm_grouped["),
+            Op::GatherMatMul => kernel.starts_with("gemv[") && kernel.contains(" gather"),
+            _ => continue,
+        };
+        assert!(ok, "{name}: node {} runs {kernel}", g.node(n).name);
+        seen += 1;
+    }
+    assert!(seen >= if grouped { 4 * layers } else { 3 * layers }, "{name}: {seen} expert dispatches");
 }
 
 /// `check_fixture` for each fixture, printing the error and the time.
