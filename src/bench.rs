@@ -162,6 +162,12 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
         if let Some(p) = m.gpu_profile() {
             rec["gpu_ms_per_phase"] = json!(p.phases.iter().map(|s| s * 1e3).collect::<Vec<_>>());
         }
+        // the same step sampling (temperature 0.7, top-p 0.9) instead of taking the argmax
+        let sampled = SampleParams { temperature: 0.7, top_p: 0.9, seed: 1, ..Default::default() };
+        m.forward(&[tok], false, Some(&sampled))?;
+        if let Some(p) = m.gpu_profile() {
+            rec["gpu_ms_per_phase_sampled"] = json!(p.phases.iter().map(|s| s * 1e3).collect::<Vec<_>>());
+        }
         if o.profile {
             m.set_profile(Profile::Kernels);
             m.forward(&[tok], false, None)?;

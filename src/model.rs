@@ -276,7 +276,8 @@ impl Model {
         if self.history.len() + 1 > self.max_context {
             return Err(format!("context full: max_context {}", self.max_context));
         }
-        let key = GraphKey { tokens: 1, all_logits: false, sample: true };
+        // greedy steps take the argmax (many workgroups) instead of the sampler (one)
+        let key = GraphKey { tokens: 1, all_logits: false, sample: !s.is_greedy() };
         self.graph(key)?;
         let pos = [self.history.len() as u32];
         let tok = [token.unwrap_or(0)];
@@ -349,7 +350,7 @@ impl Model {
         let mut all = vec![];
         let mut last = StepOutput::default();
         for chunk in ids.chunks(self.chunk) {
-            let key = GraphKey { tokens: chunk.len(), all_logits, sample: sampling.is_some() };
+            let key = GraphKey { tokens: chunk.len(), all_logits, sample: sampling.is_some_and(|s| !s.is_greedy()) };
             self.graph(key)?;
             let start = self.history.len() as u32;
             let positions: Vec<u32> = (start..start + chunk.len() as u32).collect();

@@ -58,21 +58,35 @@ fn main(
     init_ids(lid, 0u, 0u, 1u);
 //#endif
     let D = p.D;
+    // 8 elements per invocation and step, loaded before they are used (one memory
+    // round trip per step, not per element: a lone row is latency-bound).
     for (var row = wid.y * nwg.x + wid.x; row < p.rows; row += nwg.x * nwg.y) {
         let b = row * D;
         var ss = 0.0;
-        for (var i = lid; i < D; i += WG) {
-            let v = x[b + i];
-            ss = fma(v, v, ss);
+        for (var i0 = lid; i0 < D; i0 += 8u * WG) {
+//#repeat 8 j
+            let i$j = i0 + $ju * WG;
+            let v$j = select(0.0, x[b + min(i$j, D - 1u)], i$j < D);
+//#endrepeat
+            ss += ((v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3)) + ((v4 * v4 + v5 * v5) + (v6 * v6 + v7 * v7));
         }
         let tot = wg_sum(ss);
         let r = 1.0 / sqrt(tot / f32(D) + p.eps);
-        for (var i = lid; i < D; i += WG) {
+        for (var i0 = lid; i0 < D; i0 += 8u * WG) {
+//#repeat 8 j
+            let i$j = i0 + $ju * WG;
+            let c$j = min(i$j, D - 1u);
 //#if RES
-            out[b + i] = res[b + i] + x[b + i] * r * norm_scale(i);
+            let o$j = res[b + c$j] + x[b + c$j] * r * norm_scale(c$j);
 //#else
-            out[b + i] = x[b + i] * r * norm_scale(i);
+            let o$j = x[b + c$j] * r * norm_scale(c$j);
 //#endif
+//#endrepeat
+//#repeat 8 j
+            if i$j < D {
+                out[b + i$j] = o$j;
+            }
+//#endrepeat
         }
     }
 }

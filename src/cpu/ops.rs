@@ -390,6 +390,11 @@ impl Default for SampleParams {
 }
 
 impl SampleParams {
+    /// Whether the pick is the plain argmax of the logits (temperature 0, no penalty).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 && self.repetition_penalty == 1.0
+    }
+
     /// The `u32[8]` parameter block for a step.
     pub fn words(&self, step: u32, n_recent: u32) -> [u32; 8] {
         [

@@ -52,7 +52,7 @@ pub const MAX_ROPE_PAIRS: usize = 256;
 
 const ATTN_WG: u32 = 128;
 const ELEM_WG: u32 = 256;
-const NORM_WG: u32 = 128;
+const NORM_WG: u32 = 256;
 const MOE_GROUP_WG: u32 = 256;
 
 fn dt_code(t: FloatType) -> u32 {
