@@ -947,21 +947,34 @@ fn rope_matches_cpu_up_to_32k() {
         pos[0] = 0;
         pos[1] = 32767;
         let x = randn(&mut r, t * heads * d, 1.0);
-        let mut want = vec![0f32; x.len()];
-        cpu::rope(&x, &pos, heads, d, theta, factor, pairs, &mut want);
-        let k = e.variants[0].1.rope().unwrap();
-        let p = gpu.uniform("p", &k.params(t, heads, d, theta, factor, pairs));
         let (xb, pb) = (gpu.upload_f32("x", &x), gpu.upload_u32("pos", &pos));
-        let out = gpu.storage("out", (x.len() * 4) as u64);
-        let bg = k.bind_group(&gpu.device, &p, &xb, &pb, &out);
-        run(gpu, |pass| k.dispatch(pass, &bg, t, heads, d));
-        check_tol(
-            &format!("rope theta={theta} factor={factor} d={d} pairs={pairs}"),
-            &gpu.read_f32(&out, x.len()).unwrap(),
-            &want,
-            1e-5,
-            1e-6,
-        );
+        // plain, and behind a per-head RMSNorm (no weight, w, 1 + w)
+        for norm in [None, Some((NormScale::None, None)), Some((NormScale::W, Some(FloatType::Bf16))), Some((NormScale::OnePlusW, Some(FloatType::F32)))] {
+            let nwv = randn(&mut r, d, 1.0);
+            let nwt = norm.and_then(|(_, t)| t).map(|t| float_tensor(t, &[d], &nwv));
+            let mut xin = x.clone();
+            if let Some((scale, _)) = norm {
+                let nwf = nwt.as_ref().map(|t| t.to_f32());
+                cpu::rms_norm(&x, nwf.as_deref(), d, 1e-6, scale, &mut xin);
+            }
+            let mut want = vec![0f32; x.len()];
+            cpu::rope(&xin, &pos, heads, d, theta, factor, pairs, &mut want);
+            for (label, ks) in &e.variants {
+                let k = ks.rope(norm.map(|(_, t)| t)).unwrap();
+                let p = gpu.uniform("p", &k.params(t, heads, d, theta, factor, pairs).with_norm(norm.map(|(s, _)| (s, 1e-6))));
+                let nwb = nwt.as_ref().map(|t| gpu.upload("nw", &t.bytes));
+                let out = gpu.storage("out", (x.len() * 4) as u64);
+                let bg = k.bind_group(&gpu.device, &p, &xb, &pb, &out, nwb.as_ref());
+                run(gpu, |pass| k.dispatch(pass, &bg, t, heads, d));
+                check_tol(
+                    &format!("rope theta={theta} factor={factor} d={d} pairs={pairs} norm={:?} [{label}]", norm.map(|n| n.0)),
+                    &gpu.read_f32(&out, x.len()).unwrap(),
+                    &want,
+                    1e-5,
+                    1e-6,
+                );
+            }
+        }
     }
 }
 

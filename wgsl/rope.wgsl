@@ -6,13 +6,21 @@
 // inv_freq the CPU uses), so pos * inv_freq mod 1 turn is an integer product;
 // sin/cos then use polynomials on [-pi/4, pi/4]. Accurate to ~2e-7 for any u32 position.
 //
-// Prelude consts: WG. Bindings: 0 params, 1 x, 2 pos (u32 [T]), 3 out.
+// NORM: x is first RMS-normed per head row (one workgroup per row): the q/k norms and
+// their RoPE in one pass.
+//
+// Prelude consts: WG, NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32). Flags: NORM, HAS_NW.
+// Bindings: 0 params, 1 x, 2 pos (u32 [T]), 3 out, 4 norm weight (HAS_NW).
 
 struct Params {
     T: u32,
     heads: u32,
     D: u32,
     pairs: u32,
+    norm_mode: u32,  // NORM: 0 no weight, 1 w, 2 1 + w
+    norm_eps: f32,
+    _p0: u32,
+    _p1: u32,
     // pair 2j: (lo, hi) = tab[j].xy, pair 2j+1: tab[j].zw
     tab: array<vec4<u32>, 128>,
 }
@@ -21,6 +29,9 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
+//#if HAS_NW
+@group(0) @binding(4) var<storage, read> nw: array<u32>;
+//#endif
 
 // (sin, cos) of `turn` (a u32 fraction of a full turn).
 fn sincos_turn(u: u32) -> vec2<f32> {
@@ -41,6 +52,64 @@ fn sincos_turn(u: u32) -> vec2<f32> {
     return vec2<f32>(-c, s);
 }
 
+// Rotates pair i of the row at b (position ps) from (a0, a1).
+fn rotate(b: u32, i: u32, half: u32, ps: u32, a0: f32, a1: f32) {
+    if i < p.pairs {
+        let v = p.tab[i >> 1u];
+        let odd = (i & 1u) == 1u;
+        let lo = select(v.x, v.z, odd);
+        let hi = select(v.y, v.w, odd);
+        let sc = sincos_turn(ps * hi + mulhi(ps, lo));
+        out[b + i] = a0 * sc.y - a1 * sc.x;
+        out[b + i + half] = a1 * sc.y + a0 * sc.x;
+    } else {
+        out[b + i] = a0;
+        out[b + i + half] = a1;
+    }
+}
+
+//#if NORM
+fn norm_scale(i: u32) -> f32 {
+//#if HAS_NW
+    var w: f32;
+    if NDT == 2u {
+        w = bitcast<f32>(nw[i]);
+    } else {
+        w = f16x2_pick(nw[i >> 1u], i, NDT);
+    }
+    if p.norm_mode == 2u {
+        return 1.0 + w;
+    }
+    if p.norm_mode == 1u {
+        return w;
+    }
+//#endif
+    return 1.0;
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    init_ids(lid, 0u, 0u, 1u);
+    let half = p.D / 2u;
+    for (var row = wid.y * nwg.x + wid.x; row < p.T * p.heads; row += nwg.x * nwg.y) {
+        let b = row * p.D;
+        var ss = 0.0;
+        for (var i = lid; i < p.D; i += WG) {
+            let v = x[b + i];
+            ss = fma(v, v, ss);
+        }
+        let r = 1.0 / sqrt(wg_sum(ss) / f32(p.D) + p.norm_eps);
+        let ps = pos[row / p.heads];
+        for (var i = lid; i < half; i += WG) {
+            rotate(b, i, half, ps, x[b + i] * r * norm_scale(i), x[b + i + half] * r * norm_scale(i + half));
+        }
+    }
+}
+//#else
 @compute @workgroup_size(WG)
 fn main(
     @builtin(global_invocation_id) gid: vec3<u32>,
@@ -52,22 +121,8 @@ fn main(
     for (var idx = gid.x + gid.y * stride; idx < total; idx += stride * nwg.y) {
         let i = idx % half;
         let th = idx / half;
-        let t = th / p.heads;
         let b = th * p.D;
-        let a0 = x[b + i];
-        let a1 = x[b + i + half];
-        if i < p.pairs {
-            let v = p.tab[i >> 1u];
-            let odd = (i & 1u) == 1u;
-            let lo = select(v.x, v.z, odd);
-            let hi = select(v.y, v.w, odd);
-            let ps = pos[t];
-            let sc = sincos_turn(ps * hi + mulhi(ps, lo));
-            out[b + i] = a0 * sc.y - a1 * sc.x;
-            out[b + i + half] = a1 * sc.y + a0 * sc.x;
-        } else {
-            out[b + i] = a0;
-            out[b + i + half] = a1;
-        }
+        rotate(b, i, half, pos[th / p.heads], x[b + i], x[b + i + half]);
     }
 }
+//#endif

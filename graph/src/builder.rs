@@ -214,6 +214,17 @@ impl<'a> B<'a> {
         }
     }
 
+    /// `rope(norm(x))` per head.
+    fn norm_rope(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, w: &str, conv: NormScale, rope: &Op) -> Result<NodeIndex, BuildError> {
+        let Op::Rope { theta, factor, rotary_pairs } = *rope else {
+            return Err(BuildError::Config(format!("{name}: not a rope op: {rope:?}")));
+        };
+        let d = self.g.node(x).ty.last();
+        let wn = self.w(w, layer, &[d], false);
+        let op = Op::NormRope { eps: self.eps, scale: conv, theta, factor, rotary_pairs };
+        self.op(name, layer, op, &[x, self.pos, wn])
+    }
+
     /// `res + norm(x)`.
     fn norm_add(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, res: NodeIndex, w: &str, conv: NormScale) -> Result<NodeIndex, BuildError> {
         let d = self.g.node(x).ty.last();
@@ -295,17 +306,15 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let lt = cfg.layer_types[i];
         let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
         let q = b.linear_n("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
-        let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
-        let q = b.norm("q_norm", l, q, Some(&p("self_attn.q_norm.weight")), conv)?;
-        let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
-        let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
-        let k = b.norm("k_norm", l, k, Some(&p("self_attn.k_norm.weight")), conv)?;
-        let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
-        let v = b.reshape("v_heads", l, v, &[t, nkv, d])?;
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
-        let q = b.op("q_rope", l, rop.clone(), &[q, b.pos])?;
-        let k = b.op("k_rope", l, rop, &[k, b.pos])?;
+        let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
+        let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
+        let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
+        let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
+        let k = b.norm_rope("k_norm_rope", l, k, &p("self_attn.k_norm.weight"), conv, &rop)?;
+        let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
+        let v = b.reshape("v_heads", l, v, &[t, nkv, d])?;
         let (kc, vc) = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
@@ -409,11 +418,10 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
         let q = b.linear_n("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
         let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
-        let q = b.norm("q_norm", l, q, Some(&p("self_attn.q_norm.weight")), conv)?;
         let rope = cfg.layer_rope(i).clone();
         let pairs = if rope.partial < 1.0 { ((d as f64 * rope.partial) as usize) / 2 } else { d / 2 };
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: pairs };
-        let q = b.op("q_rope", l, rop.clone(), &[q, b.pos])?;
+        let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
         let (kc, vc) = if i < first_shared {
             let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
             let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
@@ -423,8 +431,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
                 let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
                 b.reshape("v_heads", l, v, &[t, nkv, d])?
             };
-            let k = b.norm("k_norm", l, k, Some(&p("self_attn.k_norm.weight")), conv)?;
-            let k = b.op("k_rope", l, rop, &[k, b.pos])?;
+            let k = b.norm_rope("k_norm_rope", l, k, &p("self_attn.k_norm.weight"), conv, &rop)?;
             let v = b.norm("v_norm", l, v, None, NormScale::None)?;
             let kv = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
             caches[i] = Some(kv);

@@ -131,6 +131,9 @@ pub enum Op {
     /// `[x: f32[T, heads, D], pos: u32[T]] -> f32[T, heads, D]`: half-split RoPE on pairs
     /// `(i, i + D/2)` for `i < rotary_pairs`; `inv_freq_i = theta^(-2i/D) / factor`.
     Rope { theta: f32, factor: f32, rotary_pairs: usize },
+    /// `[x: f32[T, heads, D], pos: u32[T], w?: f32-weight[D]] -> f32[T, heads, D]`:
+    /// `rope(rms_norm(x))` per head (the q/k norms and their RoPE, one pass).
+    NormRope { eps: f32, scale: NormScale, theta: f32, factor: f32, rotary_pairs: usize },
     /// `[x: f32[T, heads, D], pos: u32[T], cache: state[S, heads, D]] -> state`:
     /// writes row `t` at slot `pos[t] % S`. The output is the cache itself.
     KvWrite,
@@ -189,6 +192,7 @@ impl Op {
             Op::RmsNormAdd { .. } => "rms_norm_add",
             Op::NormMatMul { .. } => "norm_matmul",
             Op::Rope { .. } => "rope",
+            Op::NormRope { .. } => "norm_rope",
             Op::KvWrite => "kv_write",
             Op::Attention { .. } => "attention",
             Op::Binary { f: BinaryOp::Add } => "add",
@@ -230,6 +234,9 @@ impl Op {
                 format!("eps={eps:e} scale={scale:?}")
             }
             Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
+            Op::NormRope { eps, scale, theta, factor, rotary_pairs } => {
+                format!("eps={eps:e} scale={scale:?} theta={theta} factor={factor} pairs={rotary_pairs}")
+            }
             Op::Attention { scale, window } => match window {
                 Some(w) => format!("scale={scale} window={w}"),
                 None => format!("scale={scale} causal"),
@@ -355,8 +362,16 @@ impl Op {
                 *s.last_mut().unwrap() = w.shape[0];
                 Ok(TensorType::f32(&s))
             }
-            Op::Rope { rotary_pairs, .. } => {
-                need(2)?;
+            Op::Rope { rotary_pairs, .. } | Op::NormRope { rotary_pairs, .. } => {
+                match self {
+                    Op::NormRope { scale, .. } if *scale != NormScale::None => {
+                        need(3)?;
+                        if inputs[2].shape != [inputs[0].last()] {
+                            return Err(err(format!("weight {} for x {}", inputs[2].describe(), inputs[0].describe())));
+                        }
+                    }
+                    _ => need(2)?,
+                }
                 let x = f32_in(0)?;
                 let p = u32_in(1)?;
                 if x.shape.len() != 3 || p.shape != [x.shape[0]] || x.shape[2] % 2 != 0 || *rotary_pairs > x.shape[2] / 2 {

@@ -223,6 +223,16 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::rope(x.f(), p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
                         Val::F(Rc::new(out))
                     }
+                    Op::NormRope { eps, scale, theta, factor, rotary_pairs } => {
+                        let x = get(&vals, ins[0]);
+                        let p = get(&vals, ins[1]);
+                        let s = &node.ty.shape;
+                        let wt = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[2])?) } else { None };
+                        let mut xn = vec![0f32; out.len()];
+                        ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), s[2], *eps, *scale, &mut xn);
+                        ops::rope(&xn, p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
+                        Val::F(Rc::new(out))
+                    }
                     Op::KvWrite => {
                         let x = get(&vals, ins[0]);
                         let p = get(&vals, ins[1]);

@@ -77,7 +77,8 @@ pub enum KernelSpec {
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`).
     RmsNorm { w: Option<FloatType>, res: bool },
-    Rope,
+    /// `norm`: an RMSNorm per head in front (`Op::NormRope`), with its weight's dtype.
+    Rope { norm: Option<Option<FloatType>> },
     KvWrite,
     /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs.
     Attention { dpt: u32, split: bool },
@@ -152,7 +153,8 @@ impl KernelSpec {
             KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
             KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
             KernelSpec::RmsNorm { w, res } => format!("rms_norm[{}{}]", w.map_or("none", |t| t.name()), if *res { " add" } else { "" }),
-            KernelSpec::Rope => "rope".into(),
+            KernelSpec::Rope { norm: None } => "rope".into(),
+            KernelSpec::Rope { norm: Some(w) } => format!("norm_rope[{}]", w.map_or("none", |t| t.name())),
             KernelSpec::KvWrite => "kv_write".into(),
             KernelSpec::Attention { dpt, split } => format!("attention[dpt{dpt}{}]", if *split { " split" } else { "" }),
             KernelSpec::AttnCombine => "attn_combine".into(),
@@ -200,7 +202,11 @@ impl KernelSpec {
                 .flag("HAS_W", w.is_some())
                 .flag("RES", res)
                 .flag("SUBGROUP", sg),
-            KernelSpec::Rope => Source::new(&[COMMON, ROPE]).c("WG", 64),
+            KernelSpec::Rope { norm } => Source::new(&[COMMON, ROPE])
+                .c("WG", 64)
+                .c("NDT", norm.flatten().map_or(2, dt_code))
+                .flag("NORM", norm.is_some())
+                .flag("HAS_NW", norm.flatten().is_some()),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
             KernelSpec::Attention { dpt, split } => Source::new(&[COMMON, ATTENTION])
                 .c("WG", ATTN_WG)
@@ -265,7 +271,10 @@ impl KernelSpec {
             }
         }
         v.extend([
-            KernelSpec::Rope,
+            KernelSpec::Rope { norm: None },
+            KernelSpec::Rope { norm: Some(None) },
+            KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)) },
+            KernelSpec::Rope { norm: Some(Some(FloatType::F32)) },
             KernelSpec::KvWrite,
             KernelSpec::AttnCombine,
             KernelSpec::GeGlu,
@@ -553,8 +562,9 @@ impl Kernels {
         Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res })?, maxg: self.maxg() })
     }
 
-    pub fn rope(&self) -> Result<RopeKernel, GpuError> {
-        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope)?, maxg: self.maxg() })
+    /// `norm`: an RMSNorm per head in front, with its weight's dtype (`Some(None)`: no weight).
+    pub fn rope(&self, norm: Option<Option<FloatType>>) -> Result<RopeKernel, GpuError> {
+        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm })?, norm: norm.is_some(), maxg: self.maxg() })
     }
 
     pub fn kv_write(&self) -> Result<KvWriteKernel, GpuError> {
@@ -899,7 +909,21 @@ pub struct RopeParams {
     pub heads: u32,
     pub d: u32,
     pub pairs: u32,
+    /// Norm in front (norm kernels): 0 no weight, 1 `w`, 2 `1 + w`; and its epsilon.
+    pub norm_mode: u32,
+    pub norm_eps: f32,
+    pub _pad: [u32; 2],
     pub tab: [[u32; 4]; 128],
+}
+
+impl RopeParams {
+    /// With the norm `(scale, eps)` in front.
+    pub fn with_norm(self, norm: Option<(NormScale, f32)>) -> Self {
+        match norm {
+            Some((s, eps)) => RopeParams { norm_mode: norm_mode(s), norm_eps: eps, ..self },
+            None => self,
+        }
+    }
 }
 
 /// `frac(inv_freq / 2pi) * 2^64` for the f32 `inv_freq` of `cpu::ops::rope_inv_freq`.
@@ -913,9 +937,12 @@ pub fn rope_turn_fraction(theta: f32, factor: f32, d: usize, i: usize) -> u64 {
     ((hi as u64) << 32) | (lo as u64 & 0xffff_ffff)
 }
 
-/// RoPE. Bindings: 0 params, 1 x `[T, heads, D]`, 2 pos (u32 `[T]`), 3 out.
+/// RoPE. Bindings: 0 params, 1 x `[T, heads, D]`, 2 pos (u32 `[T]`), 3 out, 4 norm weight
+/// (norm kernels with a weight).
 pub struct RopeKernel {
     pub kernel: Arc<Kernel>,
+    /// Built with a norm in front (one workgroup per head row).
+    norm: bool,
     maxg: u32,
 }
 
@@ -929,13 +956,29 @@ impl RopeKernel {
             tab[i / 2][(i % 2) * 2] = f as u32;
             tab[i / 2][(i % 2) * 2 + 1] = (f >> 32) as u32;
         }
-        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, tab }
+        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, _pad: [0; 2], tab }
     }
     pub fn groups(&self, t: usize, heads: usize, d: usize) -> [u32; 3] {
-        grid(div_ceil(t * heads * (d / 2), 64) as u64, self.maxg)
+        if self.norm {
+            grid((t * heads) as u64, self.maxg)
+        } else {
+            grid(div_ceil(t * heads * (d / 2), 64) as u64, self.maxg)
+        }
     }
-    pub fn bind_group(&self, device: &wgpu::Device, params: &wgpu::Buffer, x: &wgpu::Buffer, pos: &wgpu::Buffer, out: &wgpu::Buffer) -> wgpu::BindGroup {
-        self.kernel.bind_buffers(device, &[(0, params), (1, x), (2, pos), (3, out)])
+    pub fn bind_group(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        pos: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+    ) -> wgpu::BindGroup {
+        let mut b = vec![(0, params), (1, x), (2, pos), (3, out)];
+        if let Some(w) = nw {
+            b.push((4, w));
+        }
+        self.kernel.bind_buffers(device, &b)
     }
     pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, t: usize, heads: usize, d: usize) {
         self.kernel.dispatch(pass, bg, self.groups(t, heads, d));

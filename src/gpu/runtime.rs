@@ -332,7 +332,7 @@ impl GpuExecutor {
                             push(k.kernel.clone(), bg, k.groups(&d));
                         }
                     }
-                    Op::Rope { theta, factor, rotary_pairs } => {
+                    Op::Rope { theta, factor, rotary_pairs } | Op::NormRope { theta, factor, rotary_pairs, .. } => {
                         let s = &node.ty.shape;
                         if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
                             return Err(format!(
@@ -343,9 +343,18 @@ impl GpuExecutor {
                                 crate::gpu::kernels::MAX_ROPE_PAIRS
                             ));
                         }
-                        let k = self.kernels.rope().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
+                        let norm = match op {
+                            Op::NormRope { eps, scale, .. } => Some((*scale, *eps)),
+                            _ => None,
+                        };
+                        let wv = if ins.len() > 2 {
+                            Some(vecw(2).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
+                        } else {
+                            None
+                        };
+                        let k = self.kernels.rope(norm.map(|_| wv.map(|v| v.1))).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(&k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs).with_norm(norm)));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, wv.map(|v| &v.0));
                         push(k.kernel.clone(), bg, k.groups(s[0], s[1], s[2]));
                     }
                     Op::KvWrite => {
