@@ -30,29 +30,9 @@ fn env() -> &'static Env {
     ENV.get_or_init(|| {
         let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
         println!("adapter: {}", gpu.info.summary());
-        let mut variants = vec![(
-            "plain",
-            Kernels::new(
-                &gpu,
-                KernelOptions {
-                    subgroups: false,
-                    checks: ShaderChecks::All,
-                },
-            )
-            .unwrap(),
-        )];
+        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All }).unwrap())];
         if gpu.info.subgroups {
-            variants.push((
-                "subgroup",
-                Kernels::new(
-                    &gpu,
-                    KernelOptions {
-                        subgroups: true,
-                        checks: ShaderChecks::All,
-                    },
-                )
-                .unwrap(),
-            ));
+            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All }).unwrap()));
         } else {
             println!("adapter has no subgroups: only the subgroup-free path runs");
         }
@@ -64,12 +44,7 @@ fn rng(test: &str) -> StdRng {
     let seed = std::env::var("MARKBASE_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
     println!("{test}: seed {seed} (MARKBASE_TEST_SEED={seed} replays it)");
     StdRng::seed_from_u64(seed)
 }
@@ -117,30 +92,16 @@ fn check(what: &str, got: &[f32], want: &[f32]) {
 // ------------------------------------------------------------------ weights
 
 fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|x| ((x.to_bits() + 0x8000) >> 16).to_le_bytes()[..2].to_vec())
-        .collect()
+    v.iter().flat_map(|x| ((x.to_bits() + 0x8000) >> 16).to_le_bytes()[..2].to_vec()).collect()
 }
 
 fn float_tensor(t: FloatType, shape: &[usize], v: &[f32]) -> RawTensor {
     let (dtype, bytes) = match t {
-        FloatType::F32 => (
-            RawDType::F32,
-            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ),
+        FloatType::F32 => (RawDType::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
         FloatType::Bf16 => (RawDType::Bf16, bf16_bytes(v)),
-        FloatType::F16 => (
-            RawDType::F16,
-            v.iter()
-                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                .collect(),
-        ),
+        FloatType::F16 => (RawDType::F16, v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect()),
     };
-    RawTensor {
-        dtype,
-        shape: shape.to_vec(),
-        bytes,
-    }
+    RawTensor { dtype, shape: shape.to_vec(), bytes }
 }
 
 /// A random weight of float shape `shape` in format `fmt`.
@@ -156,29 +117,17 @@ fn random_weight(r: &mut StdRng, fmt: GpuFormat, shape: &[usize]) -> WeightData 
     let (format, weight, scales, biases, global_scale) = match fmt {
         GpuFormat::Float(t) => {
             let v = randn(r, rows * k, 1.0);
-            (
-                WeightFormat::Float { dtype: t },
-                float_tensor(t, shape, &v),
-                None,
-                None,
-                None,
-            )
+            (WeightFormat::Float { dtype: t }, float_tensor(t, shape, &v), None, None, None)
         }
         _ => {
             let (mode, bits, group) = match fmt {
-                GpuFormat::Affine { bits, group, .. } => {
-                    (QuantMode::Affine, bits as usize, group as usize)
-                }
+                GpuFormat::Affine { bits, group, .. } => (QuantMode::Affine, bits as usize, group as usize),
                 GpuFormat::Mxfp4 => (QuantMode::Mxfp4, 4, 32),
                 GpuFormat::Mxfp8 => (QuantMode::Mxfp8, 8, 32),
                 GpuFormat::Nvfp4 { .. } => (QuantMode::Nvfp4, 4, 16),
                 GpuFormat::Float(_) => unreachable!(),
             };
-            let spec = QuantSpec {
-                mode,
-                bits,
-                group_size: group,
-            };
+            let spec = QuantSpec { mode, bits, group_size: group };
             let wcols = k * bits / 32;
             let mut words: Vec<u32> = (0..rows * wcols).map(|_| r.gen()).collect();
             if mode == QuantMode::Mxfp8 {
@@ -197,37 +146,18 @@ fn random_weight(r: &mut StdRng, fmt: GpuFormat, shape: &[usize]) -> WeightData 
             let weight = RawTensor::from_u32(&with_last(wcols), &words);
             let (scales, biases) = match fmt {
                 GpuFormat::Affine { scale, .. } => {
-                    let s: Vec<f32> = (0..rows * g)
-                        .map(|_| r.gen_range(0.005..0.1) * if r.gen() { 1.0 } else { -1.0 })
-                        .collect();
+                    let s: Vec<f32> = (0..rows * g).map(|_| r.gen_range(0.005..0.1) * if r.gen() { 1.0 } else { -1.0 }).collect();
                     let b = randn(r, rows * g, 0.5);
-                    (
-                        float_tensor(scale, &with_last(g), &s),
-                        Some(float_tensor(scale, &with_last(g), &b)),
-                    )
+                    (float_tensor(scale, &with_last(g), &s), Some(float_tensor(scale, &with_last(g), &b)))
                 }
                 GpuFormat::Nvfp4 { .. } => {
                     // positive e4m3 scales from 2^-4 to ~2^1
                     let s: Vec<u8> = (0..rows * g).map(|_| r.gen_range(0x18u8..0x48)).collect();
-                    (
-                        RawTensor {
-                            dtype: RawDType::U8,
-                            shape: with_last(g),
-                            bytes: s,
-                        },
-                        None,
-                    )
+                    (RawTensor { dtype: RawDType::U8, shape: with_last(g), bytes: s }, None)
                 }
                 _ => {
                     let s: Vec<u8> = (0..rows * g).map(|_| r.gen_range(118u8..132)).collect();
-                    (
-                        RawTensor {
-                            dtype: RawDType::U8,
-                            shape: with_last(g),
-                            bytes: s,
-                        },
-                        None,
-                    )
+                    (RawTensor { dtype: RawDType::U8, shape: with_last(g), bytes: s }, None)
                 }
             };
             let global = fmt.has_global();
@@ -238,25 +168,11 @@ fn random_weight(r: &mut StdRng, fmt: GpuFormat, shape: &[usize]) -> WeightData 
             } else {
                 None
             };
-            (
-                WeightFormat::Quantized {
-                    spec,
-                    global_scale: global,
-                },
-                weight,
-                Some(scales),
-                biases,
-                gs,
-            )
+            (WeightFormat::Quantized { spec, global_scale: global }, weight, Some(scales), biases, gs)
         }
     };
     WeightData {
-        param: WeightParam {
-            name: format!("w.{}", fmt.describe()),
-            shape: shape.to_vec(),
-            format,
-            module: true,
-        },
+        param: WeightParam { name: format!("w.{}", fmt.describe()), shape: shape.to_vec(), format, module: true },
         weight,
         scales,
         biases,
@@ -296,12 +212,7 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
     let wd = random_weight(r, fmt, &[n, k]);
     let wref = markbase::quant::dequantize(&wd).unwrap();
     let gw: GpuWeight = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[n, k], nchunks))).unwrap();
-    assert_eq!(
-        gw.chunks.len(),
-        nchunks.min(n),
-        "{}: chunk count",
-        fmt.describe()
-    );
+    assert_eq!(gw.chunks.len(), nchunks.min(n), "{}: chunk count", fmt.describe());
     for &t in ts {
         let x = randn(r, t * k, 1.0);
         let mut want = vec![0f32; t * n];
@@ -313,49 +224,18 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
             // the one-token GEMV both with one and with two blocks per step
             if let KernelSpec::Gemv { bp2, .. } = mm.spec {
                 if t == 1 {
-                    let KernelSpec::Gemv {
-                        fmt,
-                        wg,
-                        rows,
-                        tt,
-                        gather,
-                        xvec,
-                        norm,
-                        ..
-                    } = mm.spec
-                    else {
-                        unreachable!()
-                    };
-                    let other = KernelSpec::Gemv {
-                        fmt,
-                        wg,
-                        rows,
-                        tt,
-                        gather,
-                        xvec,
-                        bp2: !bp2,
-                        norm,
-                    };
-                    kernels.push((
-                        format!("{label} bp2={}", !bp2),
-                        ks.matmul_spec(other).unwrap(),
-                    ));
+                    let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, norm, dual, .. } = mm.spec else { unreachable!() };
+                    let other = KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual };
+                    kernels.push((format!("{label} bp2={}", !bp2), ks.matmul_spec(other).unwrap()));
                 }
             }
             kernels.push((label.to_string(), mm));
         }
         for (label, mm) in &kernels {
             let y = gpu.storage("y", (t * n * 4) as u64);
-            let dims: Vec<MatMulDims> = (0..gw.chunks.len())
-                .map(|c| MatMulDims::plain(&gw, c, t))
-                .collect();
-            let params: Vec<wgpu::Buffer> = dims
-                .iter()
-                .map(|d| gpu.uniform("p", &mm.params(d)))
-                .collect();
-            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len())
-                .map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, None, &gw, c))
-                .collect();
+            let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
+            let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, None, &gw, c)).collect();
             run(gpu, |pass| {
                 for (c, d) in dims.iter().enumerate() {
                     mm.dispatch(pass, &bgs[c], d);
@@ -363,15 +243,7 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
             });
             let got = gpu.read_f32(&y, t * n).unwrap();
             let path = if mm.is_gemv() { "gemv" } else { "gemm" };
-            check(
-                &format!(
-                    "matmul {} {path} [{label}] N={n} K={k} T={t} chunks={}",
-                    fmt.describe(),
-                    gw.chunks.len()
-                ),
-                &got,
-                &want,
-            );
+            check(&format!("matmul {} {path} [{label}] N={n} K={k} T={t} chunks={}", fmt.describe(), gw.chunks.len()), &got, &want);
         }
     }
 }
@@ -391,22 +263,8 @@ fn matmul_unchunked_larger_tiles() {
     // Several GEMM tiles in both directions, and a GEMV with many row groups.
     // (K % 32 == 0 takes the vectorized float paths, K = 100 the masked ones)
     for (fmt, k) in [
-        (
-            GpuFormat::Affine {
-                bits: 4,
-                group: 64,
-                scale: FloatType::Bf16,
-            },
-            256,
-        ),
-        (
-            GpuFormat::Affine {
-                bits: 8,
-                group: 32,
-                scale: FloatType::Bf16,
-            },
-            256,
-        ),
+        (GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }, 256),
+        (GpuFormat::Affine { bits: 8, group: 32, scale: FloatType::Bf16 }, 256),
         (GpuFormat::Float(FloatType::Bf16), 100),
         (GpuFormat::Float(FloatType::Bf16), 96),
         (GpuFormat::Float(FloatType::F32), 128),
@@ -422,16 +280,8 @@ fn gather_matmul_decode_and_prefill() {
     let gpu = &e.gpu;
     let (ne, n, k, s) = (5usize, 37usize, 320usize, 2usize);
     for fmt in [
-        GpuFormat::Affine {
-            bits: 4,
-            group: 64,
-            scale: FloatType::Bf16,
-        },
-        GpuFormat::Affine {
-            bits: 3,
-            group: 32,
-            scale: FloatType::Bf16,
-        },
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 3, group: 32, scale: FloatType::Bf16 },
         GpuFormat::Mxfp4,
         GpuFormat::Nvfp4 { global: true },
         GpuFormat::Float(FloatType::Bf16),
@@ -446,51 +296,25 @@ fn gather_matmul_decode_and_prefill() {
                 let x = randn(&mut r, if x_bcast { t * k } else { t * s * k }, 1.0);
                 let mut want = vec![0f32; t * s * n];
                 for p in 0..t * s {
-                    let xr = if x_bcast {
-                        &x[(p / s) * k..(p / s + 1) * k]
-                    } else {
-                        &x[p * k..(p + 1) * k]
-                    };
+                    let xr = if x_bcast { &x[(p / s) * k..(p / s + 1) * k] } else { &x[p * k..(p + 1) * k] };
                     let ex = ids[p] as usize;
-                    cpu::matmul(
-                        xr,
-                        &wref[ex * n * k..(ex + 1) * n * k],
-                        k,
-                        n,
-                        &mut want[p * n..(p + 1) * n],
-                    );
+                    cpu::matmul(xr, &wref[ex * n * k..(ex + 1) * n * k], k, n, &mut want[p * n..(p + 1) * n]);
                 }
                 let xb = gpu.upload_f32("x", &x);
                 let idb = gpu.upload_u32("ids", &ids);
                 for (label, ks) in &e.variants {
                     let mm = ks.matmul(fmt, k, t * s, true).unwrap();
                     let y = gpu.storage("y", (t * s * n * 4) as u64);
-                    let dims: Vec<MatMulDims> = (0..3)
-                        .map(|c| MatMulDims::gathered(&gw, c, t, s, x_bcast))
-                        .collect();
-                    let params: Vec<wgpu::Buffer> = dims
-                        .iter()
-                        .map(|d| gpu.uniform("p", &mm.params(d)))
-                        .collect();
-                    let bgs: Vec<wgpu::BindGroup> = (0..3)
-                        .map(|c| {
-                            mm.bind_group(&gpu.device, &params[c], &xb, &y, Some(&idb), &gw, c)
-                        })
-                        .collect();
+                    let dims: Vec<MatMulDims> = (0..3).map(|c| MatMulDims::gathered(&gw, c, t, s, x_bcast)).collect();
+                    let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                    let bgs: Vec<wgpu::BindGroup> = (0..3).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, Some(&idb), &gw, c)).collect();
                     run(gpu, |pass| {
                         for (c, d) in dims.iter().enumerate() {
                             mm.dispatch(pass, &bgs[c], d);
                         }
                     });
                     let got = gpu.read_f32(&y, t * s * n).unwrap();
-                    check(
-                        &format!(
-                            "gather {} [{label}] T={t} S={s} bcast={x_bcast}",
-                            fmt.describe()
-                        ),
-                        &got,
-                        &want,
-                    );
+                    check(&format!("gather {} [{label}] T={t} S={s} bcast={x_bcast}", fmt.describe()), &got, &want);
                 }
             }
         }
@@ -527,12 +351,7 @@ fn gpu_group(label: &str, ks: &Kernels, ids: &[u32], experts: usize) -> wgpu::Bu
     let want = cpu::moe_group(ids, experts).unwrap();
     let got = gpu.read_u32(&out, n).unwrap();
     if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
-        panic!(
-            "moe_group [{label}] P={} E={experts}: word {i}: gpu {} cpu {}",
-            ids.len(),
-            got[i],
-            want[i]
-        );
+        panic!("moe_group [{label}] P={} E={experts}: word {i}: gpu {} cpu {}", ids.len(), got[i], want[i]);
     }
     out
 }
@@ -542,15 +361,7 @@ fn moe_group_is_the_cpus_stable_grouping() {
     let mut r = rng("moe_group");
     let e = env();
     // P = T*S from 2 to 4800 (several tiles of ids), E from 1 to 300 (more experts than invocations)
-    for (t, s, ne) in [
-        (13usize, 3usize, 7usize),
-        (1, 2, 5),
-        (300, 8, 128),
-        (600, 8, 128),
-        (5, 4, 300),
-        (700, 2, 3),
-        (9, 1, 1),
-    ] {
+    for (t, s, ne) in [(13usize, 3usize, 7usize), (1, 2, 5), (300, 8, 128), (600, 8, 128), (5, 4, 300), (700, 2, 3), (9, 1, 1)] {
         for kind in ["uniform", "sparse", "skewed"] {
             let ids = routing(&mut r, kind, t, s, ne);
             for (label, ks) in &e.variants {
@@ -568,16 +379,7 @@ fn moe_group_is_the_cpus_stable_grouping() {
 /// `[ne, n, k]` stack in `nchunks` chunks; every kernel variant against the CPU, with the
 /// grouping computed on the GPU in the same pass.
 #[allow(clippy::too_many_arguments)]
-fn grouped_case(
-    r: &mut StdRng,
-    fmt: GpuFormat,
-    (ne, n, k): (usize, usize, usize),
-    t: usize,
-    s: usize,
-    kind: &str,
-    nchunks: usize,
-    x_bcast: bool,
-) {
+fn grouped_case(r: &mut StdRng, fmt: GpuFormat, (ne, n, k): (usize, usize, usize), t: usize, s: usize, kind: &str, nchunks: usize, x_bcast: bool) {
     let e = env();
     let gpu = &e.gpu;
     let wd = random_weight(r, fmt, &[ne, n, k]);
@@ -589,19 +391,9 @@ fn grouped_case(
     let x = randn(r, if x_bcast { t * k } else { np * k }, 1.0);
     let mut want = vec![0f32; np * n];
     for p in 0..np {
-        let xr = if x_bcast {
-            &x[(p / s) * k..(p / s + 1) * k]
-        } else {
-            &x[p * k..(p + 1) * k]
-        };
+        let xr = if x_bcast { &x[(p / s) * k..(p / s + 1) * k] } else { &x[p * k..(p + 1) * k] };
         let ex = ids[p] as usize;
-        cpu::matmul(
-            xr,
-            &wref[ex * n * k..(ex + 1) * n * k],
-            k,
-            n,
-            &mut want[p * n..(p + 1) * n],
-        );
+        cpu::matmul(xr, &wref[ex * n * k..(ex + 1) * n * k], k, n, &mut want[p * n..(p + 1) * n]);
     }
     // the CPU lowering computes the same rows (same dot order per row)
     let groups = cpu::moe_group(&ids, ne).unwrap();
@@ -609,40 +401,22 @@ fn grouped_case(
     cpu::grouped_matmul(&x, x_bcast, &ids, s, &groups, &wref, n, k, &mut cpu_grouped).unwrap();
     assert_eq!(cpu_grouped, want, "cpu grouped_matmul {}", fmt.describe());
     let xb = gpu.upload_f32("x", &x);
-    let what = format!(
-        "grouped {} {kind} E={ne} N={n} K={k} T={t} S={s} chunks={nchunks} bcast={x_bcast}",
-        fmt.describe()
-    );
+    let what = format!("grouped {} {kind} E={ne} N={n} K={k} T={t} S={s} chunks={nchunks} bcast={x_bcast}", fmt.describe());
     for (label, ks) in &e.variants {
         let gb = gpu_group(&format!("{label} {what}"), ks, &ids, ne);
         let mm = ks.grouped_matmul(fmt, k).unwrap();
-        assert!(
-            mm.kernel.name.starts_with("gemm_grouped"),
-            "{}",
-            mm.kernel.name
-        );
+        assert!(mm.kernel.name.starts_with("gemm_grouped"), "{}", mm.kernel.name);
         // NaN everywhere first: every row must be written
         let y = gpu.upload_f32("y", &vec![f32::NAN; np * n]);
-        let dims: Vec<MatMulDims> = (0..nchunks)
-            .map(|c| MatMulDims::gathered(&gw, c, t, s, x_bcast))
-            .collect();
-        let params: Vec<wgpu::Buffer> = dims
-            .iter()
-            .map(|d| gpu.uniform("p", &mm.params(d)))
-            .collect();
-        let bgs: Vec<wgpu::BindGroup> = (0..nchunks)
-            .map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, Some(&gb), &gw, c))
-            .collect();
+        let dims: Vec<MatMulDims> = (0..nchunks).map(|c| MatMulDims::gathered(&gw, c, t, s, x_bcast)).collect();
+        let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+        let bgs: Vec<wgpu::BindGroup> = (0..nchunks).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, Some(&gb), &gw, c)).collect();
         run(gpu, |pass| {
             for (c, d) in dims.iter().enumerate() {
                 mm.dispatch(pass, &bgs[c], d);
             }
         });
-        check(
-            &format!("{what} [{label}]"),
-            &gpu.read_f32(&y, np * n).unwrap(),
-            &want,
-        );
+        check(&format!("{what} [{label}]"), &gpu.read_f32(&y, np * n).unwrap(), &want);
     }
 }
 
@@ -659,16 +433,7 @@ fn grouped_matmul_every_format_odd_shapes_chunked() {
             _ => 96,
         };
         for (j, (nchunks, x_bcast)) in [(1, true), (3, false), (3, true)].into_iter().enumerate() {
-            grouped_case(
-                &mut r,
-                fmt,
-                (7, 37, k),
-                13,
-                3,
-                kinds[(i + j) % 3],
-                nchunks,
-                x_bcast,
-            );
+            grouped_case(&mut r, fmt, (7, 37, k), 13, 3, kinds[(i + j) % 3], nchunks, x_bcast);
         }
     }
 }
@@ -677,15 +442,9 @@ fn grouped_matmul_every_format_odd_shapes_chunked() {
 fn grouped_matmul_several_tiles_per_expert() {
     let mut r = rng("grouped_matmul_tiles");
     // one expert with ~250 pairs (4 tiles, the last partial), N over three row tiles
-    for fmt in [
-        GpuFormat::Affine {
-            bits: 4,
-            group: 64,
-            scale: FloatType::Bf16,
-        },
-        GpuFormat::Nvfp4 { global: true },
-        GpuFormat::Float(FloatType::Bf16),
-    ] {
+    for fmt in
+        [GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }, GpuFormat::Nvfp4 { global: true }, GpuFormat::Float(FloatType::Bf16)]
+    {
         grouped_case(&mut r, fmt, (6, 130, 128), 150, 2, "skewed", 2, false);
         grouped_case(&mut r, fmt, (6, 130, 128), 150, 2, "uniform", 1, true);
     }
@@ -700,21 +459,9 @@ fn embedding_gather_chunked_with_clamp() {
     let gpu = &e.gpu;
     let v = 50usize;
     for fmt in [
-        GpuFormat::Affine {
-            bits: 4,
-            group: 64,
-            scale: FloatType::Bf16,
-        },
-        GpuFormat::Affine {
-            bits: 6,
-            group: 64,
-            scale: FloatType::Bf16,
-        },
-        GpuFormat::Affine {
-            bits: 3,
-            group: 32,
-            scale: FloatType::F16,
-        },
+        GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 6, group: 64, scale: FloatType::Bf16 },
+        GpuFormat::Affine { bits: 3, group: 32, scale: FloatType::F16 },
         GpuFormat::Mxfp8,
         GpuFormat::Nvfp4 { global: false },
         GpuFormat::Float(FloatType::Bf16),
@@ -745,25 +492,15 @@ fn embedding_gather_chunked_with_clamp() {
             let idb = gpu.upload_u32("ids", &ids);
             let out = gpu.storage("out", (t * d * 4) as u64);
             let ek = e.variants[0].1.embed(fmt).unwrap();
-            let params: Vec<wgpu::Buffer> = (0..gw.chunks.len())
-                .map(|c| gpu.uniform("p", &ek.params(&gw, c, t, scale, clamp)))
-                .collect();
-            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len())
-                .map(|c| ek.bind_group(&gpu.device, &params[c], &idb, &out, &gw, c))
-                .collect();
+            let params: Vec<wgpu::Buffer> = (0..gw.chunks.len()).map(|c| gpu.uniform("p", &ek.params(&gw, c, t, scale, clamp))).collect();
+            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| ek.bind_group(&gpu.device, &params[c], &idb, &out, &gw, c)).collect();
             run(gpu, |pass| {
                 for bg in &bgs {
                     ek.dispatch(pass, bg, t, d);
                 }
             });
             let got = gpu.read_f32(&out, t * d).unwrap();
-            check_tol(
-                &format!("embed {} clamp={clamp:?}", fmt.describe()),
-                &got,
-                &want,
-                1e-6,
-                1e-7,
-            );
+            check_tol(&format!("embed {} clamp={clamp:?}", fmt.describe()), &got, &want, 1e-6, 1e-7);
         }
     }
 }
@@ -801,25 +538,10 @@ fn rms_norm_all_scales() {
                     let k = ks.rms_norm(wt, with_res).unwrap();
                     let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
                     let out = gpu.storage("out", (rows * d * 4) as u64);
-                    let bg = k.bind_group(
-                        &gpu.device,
-                        &p,
-                        &xb,
-                        &out,
-                        wb.as_ref(),
-                        with_res.then_some(&resb),
-                    );
+                    let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref(), with_res.then_some(&resb));
                     run(gpu, |pass| k.dispatch(pass, &bg, rows));
-                    let (what, want) = if with_res {
-                        ("rms_norm_add", &want_res)
-                    } else {
-                        ("rms_norm", &want)
-                    };
-                    check(
-                        &format!("{what} {scale:?} {wt:?} [{label}] D={d}"),
-                        &gpu.read_f32(&out, rows * d).unwrap(),
-                        want,
-                    );
+                    let (what, want) = if with_res { ("rms_norm_add", &want_res) } else { ("rms_norm", &want) };
+                    check(&format!("{what} {scale:?} {wt:?} [{label}] D={d}"), &gpu.read_f32(&out, rows * d).unwrap(), want);
                 }
             }
         }
@@ -834,25 +556,18 @@ fn norm_matmul_formats() {
     let mut r = rng("norm_matmul");
     let e = env();
     let gpu = &e.gpu;
-    let fmts = [
-        GpuFormat::Affine {
-            bits: 4,
-            group: 64,
-            scale: FloatType::Bf16,
-        },
-        GpuFormat::Float(FloatType::Bf16),
-        GpuFormat::Nvfp4 { global: false },
-    ];
+    let fmts =
+        [GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }, GpuFormat::Float(FloatType::Bf16), GpuFormat::Nvfp4 { global: false }];
     for fmt in fmts {
         let (n, k) = (37, test_k(fmt));
         let wd = random_weight(&mut r, fmt, &[n, k]);
         let wref = markbase::quant::dequantize(&wd).unwrap();
         let gw: GpuWeight = upload_weight(gpu, &wd, Some(chunk_limit(fmt, &[n, k], 3))).unwrap();
-        for (scale, nt) in [
-            (NormScale::OnePlusW, Some(FloatType::Bf16)),
-            (NormScale::W, Some(FloatType::F32)),
-            (NormScale::None, None),
-        ] {
+        // a second weight of the same shape (the up projection of the fused GeGLU)
+        let wd2 = random_weight(&mut r, fmt, &[n, k]);
+        let wref2 = markbase::quant::dequantize(&wd2).unwrap();
+        let gw2: GpuWeight = upload_weight(gpu, &wd2, Some(chunk_limit(fmt, &[n, k], 3))).unwrap();
+        for (scale, nt) in [(NormScale::OnePlusW, Some(FloatType::Bf16)), (NormScale::W, Some(FloatType::F32)), (NormScale::None, None)] {
             let x = randn(&mut r, k, 4.0);
             let nwv = randn(&mut r, k, 1.0);
             let nwt = nt.map(|t| float_tensor(t, &[k], &nwv));
@@ -865,68 +580,38 @@ fn norm_matmul_formats() {
             let nwb = nwt.as_ref().map(|t| gpu.upload("nw", &t.bytes));
             for (label, ks) in &e.variants {
                 let mm = ks.norm_matmul(fmt, k, nt).unwrap();
-                let KernelSpec::Gemv {
-                    fmt: f,
-                    wg,
-                    rows,
-                    tt,
-                    gather,
-                    xvec,
-                    bp2,
-                    norm,
-                } = mm.spec
-                else {
-                    panic!("not a GEMV")
-                };
+                let KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual } = mm.spec else { panic!("not a GEMV") };
                 assert_eq!(norm, Some(nt));
-                let other = ks
-                    .matmul_spec(KernelSpec::Gemv {
-                        fmt: f,
-                        wg,
-                        rows,
-                        tt,
-                        gather,
-                        xvec,
-                        bp2: !bp2,
-                        norm,
-                    })
-                    .unwrap();
+                let other = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual }).unwrap();
                 for (v, mm) in [("", &mm), (" other bp2", &other)] {
                     let y = gpu.storage("y", (n * 4) as u64);
-                    let dims: Vec<MatMulDims> = (0..gw.chunks.len())
-                        .map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6))
-                        .collect();
-                    let params: Vec<wgpu::Buffer> = dims
-                        .iter()
-                        .map(|d| gpu.uniform("p", &mm.params(d)))
-                        .collect();
-                    let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len())
-                        .map(|c| {
-                            mm.bind_group_norm(
-                                &gpu.device,
-                                &params[c],
-                                &xb,
-                                &y,
-                                nwb.as_ref(),
-                                &gw,
-                                c,
-                            )
-                        })
-                        .collect();
+                    let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
+                    let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                    let bgs: Vec<wgpu::BindGroup> =
+                        (0..gw.chunks.len()).map(|c| mm.bind_group_norm(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, c)).collect();
                     run(gpu, |pass| {
                         for (c, d) in dims.iter().enumerate() {
                             mm.dispatch(pass, &bgs[c], d);
                         }
                     });
-                    check(
-                        &format!(
-                            "norm_matmul {} {scale:?} [{label}{v}] N={n} K={k}",
-                            fmt.describe()
-                        ),
-                        &gpu.read_f32(&y, n).unwrap(),
-                        &want,
-                    );
+                    check(&format!("norm_matmul {} {scale:?} [{label}{v}] N={n} K={k}", fmt.describe()), &gpu.read_f32(&y, n).unwrap(), &want);
                 }
+                // gelu(gate) * up, both weights in one dispatch per chunk
+                let mut up = vec![0f32; n];
+                cpu::matmul(&xn, &wref2, k, n, &mut up);
+                let want_gu: Vec<f32> = want.iter().zip(&up).map(|(&g, &u)| cpu::gelu(g) * u).collect();
+                let mm = ks.norm_geglu(fmt, k, nt).unwrap();
+                let y = gpu.storage("y", (n * 4) as u64);
+                let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
+                let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                let bgs: Vec<wgpu::BindGroup> =
+                    (0..gw.chunks.len()).map(|c| mm.bind_group_dual(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, &gw2, c)).collect();
+                run(gpu, |pass| {
+                    for (c, d) in dims.iter().enumerate() {
+                        mm.dispatch(pass, &bgs[c], d);
+                    }
+                });
+                check(&format!("norm_geglu {} {scale:?} [{label}] N={n} K={k}", fmt.describe()), &gpu.read_f32(&y, n).unwrap(), &want_gu);
             }
         }
     }
@@ -937,11 +622,7 @@ fn rope_matches_cpu_up_to_32k() {
     let mut r = rng("rope");
     let e = env();
     let gpu = &e.gpu;
-    for (theta, factor, d, pairs) in [
-        (10_000f32, 1f32, 64usize, 32usize),
-        (1_000_000.0, 8.0, 128, 48),
-        (10_000.0, 1.0, 512, 256),
-    ] {
+    for (theta, factor, d, pairs) in [(10_000f32, 1f32, 64usize, 32usize), (1_000_000.0, 8.0, 128, 48), (10_000.0, 1.0, 512, 256)] {
         let (t, heads) = (6usize, 3usize);
         let mut pos: Vec<u32> = (0..t).map(|_| r.gen_range(0..32768)).collect();
         pos[0] = 0;
@@ -949,7 +630,9 @@ fn rope_matches_cpu_up_to_32k() {
         let x = randn(&mut r, t * heads * d, 1.0);
         let (xb, pb) = (gpu.upload_f32("x", &x), gpu.upload_u32("pos", &pos));
         // plain, and behind a per-head RMSNorm (no weight, w, 1 + w)
-        for norm in [None, Some((NormScale::None, None)), Some((NormScale::W, Some(FloatType::Bf16))), Some((NormScale::OnePlusW, Some(FloatType::F32)))] {
+        for norm in
+            [None, Some((NormScale::None, None)), Some((NormScale::W, Some(FloatType::Bf16))), Some((NormScale::OnePlusW, Some(FloatType::F32)))]
+        {
             let nwv = randn(&mut r, d, 1.0);
             let nwt = norm.and_then(|(_, t)| t).map(|t| float_tensor(t, &[d], &nwv));
             let mut xin = x.clone();
@@ -1000,17 +683,7 @@ fn kv_write_ring() {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attention_case(
-    r: &mut StdRng,
-    t: usize,
-    nq: usize,
-    nkv: usize,
-    d: usize,
-    slots: usize,
-    window: Option<usize>,
-    pos0: u32,
-    nsplit: usize,
-) {
+fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slots: usize, window: Option<usize>, pos0: u32, nsplit: usize) {
     let e = env();
     let gpu = &e.gpu;
     let pos: Vec<u32> = (0..t as u32).map(|i| pos0 + i).collect();
@@ -1020,12 +693,7 @@ fn attention_case(
     let scale = 1.0 / (d as f32).sqrt() * 2.0;
     let mut want = vec![0f32; q.len()];
     cpu::attention(&q, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
-    let (qb, pb, kb, vb) = (
-        gpu.upload_f32("q", &q),
-        gpu.upload_u32("pos", &pos),
-        gpu.upload_f32("k", &kc),
-        gpu.upload_f32("v", &vc),
-    );
+    let (qb, pb, kb, vb) = (gpu.upload_f32("q", &q), gpu.upload_u32("pos", &pos), gpu.upload_f32("k", &kc), gpu.upload_f32("v", &vc));
     for (label, ks) in &e.variants {
         let k = ks.attention(d, nsplit).unwrap();
         let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
@@ -1097,33 +765,20 @@ fn elementwise_geglu_binary_unary() {
                 run(gpu, |pass| k.dispatch(pass, &bg, n));
                 let mut want = vec![0f32; n];
                 cpu::binary(f, &a, &bvals, &mut want);
-                check(
-                    &format!("binary {f:?} nb={nb} {bt:?}"),
-                    &gpu.read_f32(&out, n).unwrap(),
-                    &want,
-                );
+                check(&format!("binary {f:?} nb={nb} {bt:?}"), &gpu.read_f32(&out, n).unwrap(), &want);
             }
         }
     }
 
     // Unary
-    for f in [
-        UnaryOp::Scale { factor: 0.37 },
-        UnaryOp::Gelu,
-        UnaryOp::Softcap { cap: 3.0 },
-        UnaryOp::Tanh,
-    ] {
+    for f in [UnaryOp::Scale { factor: 0.37 }, UnaryOp::Gelu, UnaryOp::Softcap { cap: 3.0 }, UnaryOp::Tanh] {
         let k = ks.unary().unwrap();
         let p = gpu.uniform("p", &ElementwiseParams::unary(f, n));
         let bg = k.bind_group(&gpu.device, &p, &ab, &out, None);
         run(gpu, |pass| k.dispatch(pass, &bg, n));
         let mut want = vec![0f32; n];
         cpu::unary(f, &a, &mut want);
-        check(
-            &format!("unary {f:?}"),
-            &gpu.read_f32(&out, n).unwrap(),
-            &want,
-        );
+        check(&format!("unary {f:?}"), &gpu.read_f32(&out, n).unwrap(), &want);
     }
 }
 
@@ -1171,11 +826,7 @@ fn top_k_softmax_weighted_sum() {
         run(gpu, |pass| ts.dispatch(pass, &bg, t));
         let mut want = vec![0f32; t * k];
         cpu::top_k_softmax(&logits, ne, &want_ids, k, svals.as_deref(), &mut want);
-        check(
-            &format!("top_k_softmax scale={st:?}"),
-            &gpu.read_f32(&out, t * k).unwrap(),
-            &want,
-        );
+        check(&format!("top_k_softmax scale={st:?}"), &gpu.read_f32(&out, t * k).unwrap(), &want);
     }
 
     let (s, d) = (4usize, 37usize);
@@ -1225,10 +876,7 @@ fn slice_and_concat() {
     let pa = CopyParams::concat_part(&out_shape, 1, 0, 2);
     let pb = CopyParams::concat_part(&out_shape, 1, 2, 4);
     let (ua, ub) = (gpu.uniform("pa", &pa), gpu.uniform("pb", &pb));
-    let (ga, gb) = (
-        ck.bind_group(&gpu.device, &ua, &ab, &out),
-        ck.bind_group(&gpu.device, &ub, &bb, &out),
-    );
+    let (ga, gb) = (ck.bind_group(&gpu.device, &ua, &ab, &out), ck.bind_group(&gpu.device, &ub, &bb, &out));
     run(gpu, |pass| {
         ck.dispatch(pass, &ga, &pa);
         ck.dispatch(pass, &gb, &pb);
@@ -1258,11 +906,7 @@ fn argmax_large_vocab() {
         let out = gpu.storage("out", 4);
         let bg = ak.bind_group(&gpu.device, &p, &lb, &out);
         run(gpu, |pass| ak.dispatch(pass, &bg));
-        assert_eq!(
-            gpu.read_u32(&out, 1).unwrap()[0],
-            want,
-            "argmax T={t} V={v}"
-        );
+        assert_eq!(gpu.read_u32(&out, 1).unwrap()[0], want, "argmax T={t} V={v}");
     }
 }
 
@@ -1274,13 +918,7 @@ fn adapter_info_and_backend_parsing() {
     let e = env();
     assert!(!e.gpu.info.name.is_empty());
     assert!(e.gpu.info.limits.max_storage_buffer_binding_size >= 128 << 20);
-    for (s, b) in [
-        ("vulkan", Backend::Vulkan),
-        ("VK", Backend::Vulkan),
-        ("metal", Backend::Metal),
-        ("dx12", Backend::Dx12),
-        ("gl", Backend::Gl),
-    ] {
+    for (s, b) in [("vulkan", Backend::Vulkan), ("VK", Backend::Vulkan), ("metal", Backend::Metal), ("dx12", Backend::Dx12), ("gl", Backend::Gl)] {
         assert_eq!(s.parse::<Backend>().unwrap(), b);
     }
     assert!("cuda".parse::<Backend>().is_err());
@@ -1296,9 +934,7 @@ fn adapter_info_and_backend_parsing() {
 /// the CPU's own pick. `None` when `g` is not kept.
 fn cdf_distance(logits: &[f32], params: &[u32; 8], recent: &[u32], g: u32) -> Option<f64> {
     let d = match cpu::sample_distribution(logits, params, recent) {
-        cpu::SampleDistribution::Greedy(t) => {
-            return Some(if t == g { 0.0 } else { f64::INFINITY })
-        }
+        cpu::SampleDistribution::Greedy(t) => return Some(if t == g { 0.0 } else { f64::INFINITY }),
         cpu::SampleDistribution::Kept(d) => d,
     };
     let kept = d.kept_mass();
@@ -1331,42 +967,13 @@ fn sample_matches_cpu() {
     let k = markbase::gpu::sample::kernel(gpu, &e.variants[0].1).unwrap();
     let base = SampleParams::default();
     let cases = [
-        SampleParams {
-            temperature: 0.0,
-            ..base
-        },
-        SampleParams {
-            temperature: 0.0,
-            repetition_penalty: 1.5,
-            ..base
-        },
-        SampleParams {
-            temperature: 1.0,
-            ..base
-        },
-        SampleParams {
-            temperature: 0.7,
-            top_k: 5,
-            ..base
-        },
-        SampleParams {
-            temperature: 1.3,
-            top_p: 0.9,
-            ..base
-        },
-        SampleParams {
-            temperature: 1.0,
-            min_p: 0.05,
-            ..base
-        },
-        SampleParams {
-            temperature: 0.8,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.01,
-            repetition_penalty: 1.3,
-            ..base
-        },
+        SampleParams { temperature: 0.0, ..base },
+        SampleParams { temperature: 0.0, repetition_penalty: 1.5, ..base },
+        SampleParams { temperature: 1.0, ..base },
+        SampleParams { temperature: 0.7, top_k: 5, ..base },
+        SampleParams { temperature: 1.3, top_p: 0.9, ..base },
+        SampleParams { temperature: 1.0, min_p: 0.05, ..base },
+        SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.3, ..base },
     ];
     for (t, v) in [(2usize, 1000usize), (1, 262_144)] {
         // V=1000: a flat distribution (many tokens in play); V=262144: logits spread like a
@@ -1377,15 +984,7 @@ fn sample_matches_cpu() {
         let mut l = randn(&mut r, t * v, amp);
         l[(t - 1) * v + 7] = amp - 0.01;
         l[(t - 1) * v + 11] = amp - 0.01;
-        let recent: Vec<u32> = (0..64)
-            .map(|i| {
-                if i % 3 == 0 {
-                    7
-                } else {
-                    r.gen_range(0..v as u32)
-                }
-            })
-            .collect();
+        let recent: Vec<u32> = (0..64).map(|i| if i % 3 == 0 { 7 } else { r.gen_range(0..v as u32) }).collect();
         let lb = gpu.upload_f32("l", &l);
         let rb = gpu.upload_u32("recent", &recent);
         let p = gpu.uniform("p", &ArgmaxParams::last_row(t, v));
@@ -1393,49 +992,30 @@ fn sample_matches_cpu() {
         let mut mismatches = 0;
         for sp in cases {
             for step in 0..3u32 {
-                let sp = SampleParams {
-                    seed: r.gen(),
-                    ..sp
-                };
+                let sp = SampleParams { seed: r.gen(), ..sp };
                 let n_recent = if sp.repetition_penalty != 1.0 { 50 } else { 0 };
                 let words = sp.words(step, n_recent);
                 let want = cpu::sample(&l[(t - 1) * v..], &words, &recent);
                 let wb = gpu.upload_u32("words", &words);
                 let out = gpu.storage("out", 4);
-                let bg = k.bind_buffers(
-                    &gpu.device,
-                    &[(0, &p), (1, &lb), (2, &wb), (3, &rb), (4, &out)],
-                );
+                let bg = k.bind_buffers(&gpu.device, &[(0, &p), (1, &lb), (2, &wb), (3, &rb), (4, &out)]);
                 run(gpu, |pass| k.dispatch(pass, &bg, [1, 1, 1]));
                 let got = gpu.read_u32(&out, 1).unwrap()[0];
                 let row = &l[(t - 1) * v..];
                 // the replica agrees with the CPU on its own pick
-                assert_eq!(
-                    cdf_distance(row, &words, &recent, want),
-                    Some(0.0),
-                    "replica of cpu::sample"
-                );
+                assert_eq!(cdf_distance(row, &words, &recent, want), Some(0.0), "replica of cpu::sample");
                 if got != want {
                     // f32 (GPU) vs f64 (CPU) masses: adjacent picks within 1e-6 of the kept mass
                     let dist = cdf_distance(row, &words, &recent, got);
-                    println!(
-                        "sample V={v} {sp:?} step {step}: gpu {got} cpu {want}, distance {dist:?}"
-                    );
-                    assert!(
-                        dist.is_some_and(|d| d <= 1e-6),
-                        "sample V={v} {sp:?} step {step}: gpu {got} cpu {want}, distance {dist:?}"
-                    );
+                    println!("sample V={v} {sp:?} step {step}: gpu {got} cpu {want}, distance {dist:?}");
+                    assert!(dist.is_some_and(|d| d <= 1e-6), "sample V={v} {sp:?} step {step}: gpu {got} cpu {want}, distance {dist:?}");
                     mismatches += 1;
                 }
                 picks.insert(got);
             }
         }
         // the draws are not all the same token (the comparison is not vacuous)
-        assert!(
-            picks.len() >= 5,
-            "V={v}: only {} distinct tokens drawn",
-            picks.len()
-        );
+        assert!(picks.len() >= 5, "V={v}: only {} distinct tokens drawn", picks.len());
         assert!(mismatches <= 2, "V={v}: {mismatches} boundary mismatches");
     }
 }
@@ -1451,63 +1031,33 @@ fn sample_matches_cpu() {
 fn gemv_bandwidth() {
     let e = env();
     let gpu = &e.gpu;
-    let envu = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (n, k) = (
-        envu("MARKBASE_BENCH_N", 15360),
-        envu("MARKBASE_BENCH_K", 3840),
-    );
+    let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (n, k) = (envu("MARKBASE_BENCH_N", 15360), envu("MARKBASE_BENCH_K", 3840));
     let layers = envu("MARKBASE_BENCH_LAYERS", 32);
     let iters = envu("MARKBASE_BENCH_ITERS", 20);
     let t = envu("MARKBASE_BENCH_T", 1);
     let mut r = StdRng::seed_from_u64(1);
     let fmts: Vec<GpuFormat> = match std::env::var("MARKBASE_BENCH_FMT").as_deref() {
         Ok("all") => vec![
-            GpuFormat::Affine {
-                bits: 4,
-                group: 64,
-                scale: FloatType::Bf16,
-            },
-            GpuFormat::Affine {
-                bits: 8,
-                group: 64,
-                scale: FloatType::Bf16,
-            },
-            GpuFormat::Affine {
-                bits: 6,
-                group: 64,
-                scale: FloatType::Bf16,
-            },
+            GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 },
+            GpuFormat::Affine { bits: 8, group: 64, scale: FloatType::Bf16 },
+            GpuFormat::Affine { bits: 6, group: 64, scale: FloatType::Bf16 },
             GpuFormat::Mxfp4,
             GpuFormat::Float(FloatType::Bf16),
         ],
-        _ => vec![GpuFormat::Affine {
-            bits: 4,
-            group: 64,
-            scale: FloatType::Bf16,
-        }],
+        _ => vec![GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }],
     };
     println!("adapter: {}", gpu.info.summary());
     for fmt in fmts {
         // one random weight, uploaded `layers` times (distinct buffers)
         let wd = random_weight(&mut r, fmt, &[n, k]);
-        let ws: Vec<GpuWeight> = (0..layers)
-            .map(|_| upload_weight(gpu, &wd, None).unwrap())
-            .collect();
+        let ws: Vec<GpuWeight> = (0..layers).map(|_| upload_weight(gpu, &wd, None).unwrap()).collect();
         let (a, b, c) = fmt.row_bytes(k);
         let bytes_per_layer = (n * (a + b + c)) as f64;
         let x = gpu.upload_f32("x", &randn(&mut r, t * k, 1.0));
         let y = gpu.storage("y", (t * n * 4) as u64);
         let checks = match std::env::var("MARKBASE_BENCH_CHECKS").as_deref() {
-            Ok("compare") => vec![
-                ShaderChecks::All,
-                ShaderChecks::BoundsOnly,
-                ShaderChecks::None,
-            ],
+            Ok("compare") => vec![ShaderChecks::All, ShaderChecks::BoundsOnly, ShaderChecks::None],
             _ => vec![ShaderChecks::from_env()],
         };
         let mut kss = Vec::new();
@@ -1515,17 +1065,7 @@ fn gemv_bandwidth() {
             for sg in [false, true] {
                 if !sg || gpu.info.subgroups {
                     let label = format!("{}{c:?}", if sg { "subgroup " } else { "plain " });
-                    kss.push((
-                        label,
-                        Kernels::new(
-                            gpu,
-                            KernelOptions {
-                                subgroups: sg,
-                                checks: c,
-                            },
-                        )
-                        .unwrap(),
-                    ));
+                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c }).unwrap()));
                 }
             }
         }
@@ -1536,35 +1076,13 @@ fn gemv_bandwidth() {
             // MARKBASE_BENCH_DISTINCT_Y=1: one output per layer (independent dispatches, no
             // barriers between them) instead of one shared output (dependent, like a model)
             let distinct = std::env::var("MARKBASE_BENCH_DISTINCT_Y").is_ok_and(|v| v == "1");
-            let ys: Vec<wgpu::Buffer> = if distinct {
-                (0..layers)
-                    .map(|_| gpu.storage("y", (t * n * 4) as u64))
-                    .collect()
-            } else {
-                vec![]
-            };
-            let bgs: Vec<wgpu::BindGroup> = ws
-                .iter()
-                .enumerate()
-                .map(|(i, w)| {
-                    mm.bind_group(
-                        &gpu.device,
-                        &pb,
-                        &x,
-                        if distinct { &ys[i] } else { &y },
-                        None,
-                        w,
-                        0,
-                    )
-                })
-                .collect();
-            let qs = gpu.info.timestamps.then(|| {
-                gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
-                    label: None,
-                    ty: wgpu::QueryType::Timestamp,
-                    count: 2,
-                })
-            });
+            let ys: Vec<wgpu::Buffer> = if distinct { (0..layers).map(|_| gpu.storage("y", (t * n * 4) as u64)).collect() } else { vec![] };
+            let bgs: Vec<wgpu::BindGroup> =
+                ws.iter().enumerate().map(|(i, w)| mm.bind_group(&gpu.device, &pb, &x, if distinct { &ys[i] } else { &y }, None, w, 0)).collect();
+            let qs = gpu
+                .info
+                .timestamps
+                .then(|| gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: None, ty: wgpu::QueryType::Timestamp, count: 2 }));
             let qbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
                 label: None,
                 size: 16,
@@ -1580,10 +1098,7 @@ fn gemv_bandwidth() {
                         beginning_of_pass_write_index: Some(0),
                         end_of_pass_write_index: Some(1),
                     });
-                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: None,
-                        timestamp_writes: tw,
-                    });
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: tw });
                     for bg in &bgs {
                         mm.dispatch(&mut pass, bg, &d);
                     }
@@ -1597,10 +1112,7 @@ fn gemv_bandwidth() {
                 let wall = t0.elapsed().as_secs_f64();
                 let secs = if qs.is_some() {
                     let ts = gpu.read_u32(&qbuf, 4).unwrap();
-                    let (t0, t1) = (
-                        ts[0] as u64 | (ts[1] as u64) << 32,
-                        ts[2] as u64 | (ts[3] as u64) << 32,
-                    );
+                    let (t0, t1) = (ts[0] as u64 | (ts[1] as u64) << 32, ts[2] as u64 | (ts[3] as u64) << 32);
                     t1.saturating_sub(t0) as f64 * gpu.queue.get_timestamp_period() as f64 * 1e-9
                 } else {
                     wall
@@ -1635,27 +1147,10 @@ fn gemv_bandwidth() {
 fn grouped_vs_gathered_bench() {
     let e = env();
     let gpu = &e.gpu;
-    let envu = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (ne, n, k) = (
-        envu("MARKBASE_BENCH_E", 128),
-        envu("MARKBASE_BENCH_N", 704),
-        envu("MARKBASE_BENCH_K", 2816),
-    );
-    let (s, t, iters) = (
-        envu("MARKBASE_BENCH_S", 8),
-        envu("MARKBASE_BENCH_T", 256),
-        envu("MARKBASE_BENCH_ITERS", 5),
-    );
-    let fmt = GpuFormat::Affine {
-        bits: 4,
-        group: 64,
-        scale: FloatType::Bf16,
-    };
+    let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (ne, n, k) = (envu("MARKBASE_BENCH_E", 128), envu("MARKBASE_BENCH_N", 704), envu("MARKBASE_BENCH_K", 2816));
+    let (s, t, iters) = (envu("MARKBASE_BENCH_S", 8), envu("MARKBASE_BENCH_T", 256), envu("MARKBASE_BENCH_ITERS", 5));
+    let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
     let mut r = StdRng::seed_from_u64(1);
     let wd = random_weight(&mut r, fmt, &[ne, n, k]);
     let gw = upload_weight(gpu, &wd, None).unwrap();
@@ -1678,17 +1173,10 @@ fn grouped_vs_gathered_bench() {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
     };
-    let dims: Vec<MatMulDims> = (0..gw.chunks.len())
-        .map(|c| MatMulDims::gathered(&gw, c, t, s, true))
-        .collect();
+    let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::gathered(&gw, c, t, s, true)).collect();
     let gather = ks.matmul(fmt, k, np, true).unwrap();
-    let gp: Vec<wgpu::Buffer> = dims
-        .iter()
-        .map(|d| gpu.uniform("p", &gather.params(d)))
-        .collect();
-    let gbg: Vec<wgpu::BindGroup> = (0..dims.len())
-        .map(|c| gather.bind_group(&gpu.device, &gp[c], &xb, &y, Some(&idb), &gw, c))
-        .collect();
+    let gp: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &gather.params(d))).collect();
+    let gbg: Vec<wgpu::BindGroup> = (0..dims.len()).map(|c| gather.bind_group(&gpu.device, &gp[c], &xb, &y, Some(&idb), &gw, c)).collect();
     let gathered = time(&|pass| {
         for (c, d) in dims.iter().enumerate() {
             gather.dispatch(pass, &gbg[c], d);
@@ -1698,13 +1186,8 @@ fn grouped_vs_gathered_bench() {
     let mgp = gpu.uniform("p", &mg.params(np, ne));
     let mgbg = mg.bind_group(&gpu.device, &mgp, &idb, &groups);
     let gm = ks.grouped_matmul(fmt, k).unwrap();
-    let qp: Vec<wgpu::Buffer> = dims
-        .iter()
-        .map(|d| gpu.uniform("p", &gm.params(d)))
-        .collect();
-    let qbg: Vec<wgpu::BindGroup> = (0..dims.len())
-        .map(|c| gm.bind_group(&gpu.device, &qp[c], &xb, &y, Some(&groups), &gw, c))
-        .collect();
+    let qp: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &gm.params(d))).collect();
+    let qbg: Vec<wgpu::BindGroup> = (0..dims.len()).map(|c| gm.bind_group(&gpu.device, &qp[c], &xb, &y, Some(&groups), &gw, c)).collect();
     let group_only = time(&|pass| mg.dispatch(pass, &mgbg));
     let grouped = time(&|pass| {
         mg.dispatch(pass, &mgbg);

@@ -105,6 +105,17 @@ fn f16x2_pick(word: u32, i: u32, dt: u32) -> f32 {
     return f16_bits_to_f32(h);
 }
 
+// tanh with the argument clamped to [-15, 15] (as the CPU reference).
+fn tanh_c(v: f32) -> f32 {
+    return tanh(clamp(v, -15.0, 15.0));
+}
+
+// GELU, tanh approximation.
+fn gelu(v: f32) -> f32 {
+    let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
+    return 0.5 * v * (1.0 + tanh_c(u));
+}
+
 // High 32 bits of the 64-bit product a * b.
 fn mulhi(a: u32, b: u32) -> u32 {
     let a0 = a & 0xffffu;

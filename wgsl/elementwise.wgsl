@@ -28,14 +28,6 @@ struct Params {
 @group(0) @binding(3) var<storage, read> b: array<u32>;
 //#endif
 
-fn tanh_c(v: f32) -> f32 {
-    return tanh(clamp(v, -15.0, 15.0));
-}
-
-fn gelu(v: f32) -> f32 {
-    let u = 0.7978845608028654 * (v + 0.044715 * v * v * v);
-    return 0.5 * v * (1.0 + tanh_c(u));
-}
 
 //#if BINARY
 fn b_at(i: u32) -> f32 {

@@ -10,11 +10,16 @@
 // invocation sums the squares of its blocks and scales them by the norm weight; the
 // row sums are multiplied by 1 / rms at the end.
 //
-// Prelude consts: WG, R, TT, RED_N (= R * TT * WG), NDT (norm weight dtype: 0 bf16,
-// 1 f16, 2 f32); weight consts (weights.wgsl).
+// DUAL (one token, one block per step): two weights of the same shape and format (a GeGLU's
+// gate and up), the same R rows of each; y = gelu(gate row) * up row.
+//
+// Prelude consts: WG, R, TT, RS (reduction slots per invocation: R * TT, twice that with
+// DUAL), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32); weight consts
+// (weights.wgsl).
 // Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1,
-// BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW.
-// Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 4 norm weight (HAS_NW), 8.. weights.
+// BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW, DUAL.
+// Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 4 norm weight (HAS_NW), 8.. weights,
+// 12.. the second weight (DUAL; the same decoding, renamed with a `_u` suffix).
 
 struct Params {
     T: u32,          // tokens (GATHER: pairs T*S)
@@ -197,6 +202,11 @@ fn main(
 //#repeat R r
             var acc$r = 0.0;
 //#endrepeat
+//#if DUAL
+//#repeat R r
+            var accu$r = 0.0;
+//#endrepeat
+//#endif
 //#if GATHER
             let xr = select(ty, ty / p.S, p.x_bcast != 0u);
 //#else
@@ -237,6 +247,11 @@ fn main(
 //#repeat R r
                 acc$r += blk_dot(dq_blk(wbase + min(r0 + $ru, p.rows - 1u), blk, K), xv, xs);
 //#endrepeat
+//#if DUAL
+//#repeat R r
+                accu$r += blk_dot(dq_blk_u(min(r0 + $ru, p.rows - 1u), blk, K), xv, xs);
+//#endrepeat
+//#endif
             }
 //#endif
 //#if PRENORM
@@ -244,39 +259,70 @@ fn main(
 //#repeat R r
             acc$r *= rn;
 //#endrepeat
+//#if DUAL
+//#repeat R r
+            accu$r *= rn;
+//#endrepeat
+//#endif
 //#endif
 //#if SUBGROUP
 //#repeat R r
             let s$r = subgroupAdd(acc$r);
 //#endrepeat
+//#if DUAL
+//#repeat R r
+            let su$r = subgroupAdd(accu$r);
+//#endrepeat
+//#endif
             if g_sg_lane == 0u {
 //#repeat R r
-                red_g[g_sg_id * RT + $ru] = s$r;
+                red_g[g_sg_id * RS + $ru] = s$r;
 //#endrepeat
+//#if DUAL
+//#repeat R r
+                red_g[g_sg_id * RS + R + $ru] = su$r;
+//#endrepeat
+//#endif
             }
             workgroupBarrier();
             var tot = 0.0;
-            if lid < RT {
+            if lid < RS {
                 for (var j = 0u; j < g_sg_n; j++) {
-                    tot += red_g[j * RT + lid];
+                    tot += red_g[j * RS + lid];
                 }
             }
 //#else
 //#repeat R r
             red_g[$ru * WG + lid] = acc$r;
 //#endrepeat
+//#if DUAL
+//#repeat R r
+            red_g[(R + $ru) * WG + lid] = accu$r;
+//#endrepeat
+//#endif
             workgroupBarrier();
             for (var s = WG / 2u; s > 0u; s >>= 1u) {
                 if lid < s {
-//#repeat R r
-                    red_g[$ru * WG + lid] += red_g[$ru * WG + lid + s];
-//#endrepeat
+                    for (var i = 0u; i < RS; i++) {
+                        red_g[i * WG + lid] += red_g[i * WG + lid + s];
+                    }
                 }
                 workgroupBarrier();
             }
             var tot = 0.0;
-            if lid < RT {
+            if lid < RS {
                 tot = red_g[lid * WG];
+            }
+//#endif
+//#if DUAL
+            // gate and up totals side by side, then y = gelu(gate) * up
+            workgroupBarrier();
+            if lid < RS {
+                red_g[lid] = tot;
+            }
+            workgroupBarrier();
+            if lid < R {
+                tot = gelu(red_g[lid] * gsc) * red_g[R + lid] * w_global_u(0u);
             }
 //#endif
 //#else
@@ -329,7 +375,11 @@ fn main(
                 let row = r0 + lid / TT;
                 let tok = t0 + lid % TT;
                 if in_chunk && row < p.rows && tok < p.T {
+//#if DUAL
+                    y[tok * p.ldy + p.row_start + row] = tot;
+//#else
                     y[tok * p.ldy + p.row_start + row] = tot * gsc;
+//#endif
                 }
             }
             workgroupBarrier();

@@ -255,6 +255,22 @@ impl<'a> B<'a> {
     /// The dense GeGLU MLP of layer `i`: `down(gelu(gate(m)) * up(m))`.
     fn mlp(&mut self, i: usize, m: Normed, inter: usize) -> Result<NodeIndex, BuildError> {
         let l = Some(i);
+        if let Normed::Fused { x, w, scale } = m {
+            // gate, up and the activation in one pass when both weights are stored alike
+            let h = self.g.node(x).ty.last();
+            let wg = self.w(&format!("layers.{i}.mlp.gate_proj"), l, &[inter, h], true);
+            let wu = self.w(&format!("layers.{i}.mlp.up_proj"), l, &[inter, h], true);
+            let fmt = |b: &Self, n: NodeIndex| b.g.node(n).weight().map(|p| p.format.clone());
+            if fmt(self, wg) == fmt(self, wu) {
+                let ins: Vec<NodeIndex> = std::iter::once(x).chain(w).chain([wg, wu]).collect();
+                let gu = self.op("gate_up_geglu", l, Op::NormGeGlu { eps: self.eps, scale }, &ins)?;
+                return self.linear("down_proj", l, gu, &format!("layers.{i}.mlp.down_proj"), self.cfg.hidden_size);
+            }
+            let gt = self.op("gate_proj", l, Op::NormMatMul { eps: self.eps, scale }, &std::iter::once(x).chain(w).chain([wg]).collect::<Vec<_>>())?;
+            let up = self.op("up_proj", l, Op::NormMatMul { eps: self.eps, scale }, &std::iter::once(x).chain(w).chain([wu]).collect::<Vec<_>>())?;
+            let gu = self.op("geglu", l, Op::GeGlu, &[gt, up])?;
+            return self.linear("down_proj", l, gu, &format!("layers.{i}.mlp.down_proj"), self.cfg.hidden_size);
+        }
         let gt = self.linear_n("gate_proj", l, m, &format!("layers.{i}.mlp.gate_proj"), inter)?;
         let up = self.linear_n("up_proj", l, m, &format!("layers.{i}.mlp.up_proj"), inter)?;
         let gu = self.op("geglu", l, Op::GeGlu, &[gt, up])?;

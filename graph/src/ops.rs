@@ -128,6 +128,10 @@ pub enum Op {
     /// `rms_norm(x) @ w^T` (a pre-norm read by matmuls only; the norm's weight is the
     /// second input unless `scale` is `None`).
     NormMatMul { eps: f32, scale: NormScale },
+    /// `[x: f32[.., K], nw?: f32-weight[K], wg: weight[I, K], wu: weight[I, K]] -> f32[.., I]`:
+    /// `gelu(m @ wg^T) * (m @ wu^T)` with `m = rms_norm(x)` (a GeGLU MLP's gate, up and
+    /// activation in one pass; the norm's weight is the second input unless `scale` is `None`).
+    NormGeGlu { eps: f32, scale: NormScale },
     /// `[x: f32[T, heads, D], pos: u32[T]] -> f32[T, heads, D]`: half-split RoPE on pairs
     /// `(i, i + D/2)` for `i < rotary_pairs`; `inv_freq_i = theta^(-2i/D) / factor`.
     Rope { theta: f32, factor: f32, rotary_pairs: usize },
@@ -191,6 +195,7 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm",
             Op::RmsNormAdd { .. } => "rms_norm_add",
             Op::NormMatMul { .. } => "norm_matmul",
+            Op::NormGeGlu { .. } => "norm_geglu",
             Op::Rope { .. } => "rope",
             Op::NormRope { .. } => "norm_rope",
             Op::KvWrite => "kv_write",
@@ -230,7 +235,7 @@ impl Op {
                 Some(c) => format!("scale={scale} clamp={c}"),
                 None => format!("scale={scale}"),
             },
-            Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } | Op::NormMatMul { eps, scale } => {
+            Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } | Op::NormMatMul { eps, scale } | Op::NormGeGlu { eps, scale } => {
                 format!("eps={eps:e} scale={scale:?}")
             }
             Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
@@ -360,6 +365,21 @@ impl Op {
                 }
                 let mut s = x.shape.clone();
                 *s.last_mut().unwrap() = w.shape[0];
+                Ok(TensorType::f32(&s))
+            }
+            Op::NormGeGlu { scale, .. } => {
+                let has_w = *scale != NormScale::None;
+                need(if has_w { 4 } else { 3 })?;
+                let x = f32_in(0)?;
+                let (wg, wu) = (inputs[inputs.len() - 2], inputs[inputs.len() - 1]);
+                if wg.shape.len() != 2 || wg.shape != wu.shape || x.shape.is_empty() || x.last() != wg.shape[1] {
+                    return Err(err(format!("x {} vs gate {} up {}", x.describe(), wg.describe(), wu.describe())));
+                }
+                if has_w && inputs[1].shape != [x.last()] {
+                    return Err(err(format!("norm weight {} for x {}", inputs[1].describe(), x.describe())));
+                }
+                let mut s = x.shape.clone();
+                *s.last_mut().unwrap() = wg.shape[0];
                 Ok(TensorType::f32(&s))
             }
             Op::Rope { rotary_pairs, .. } | Op::NormRope { rotary_pairs, .. } => {

@@ -205,6 +205,20 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         out.iter_mut().zip(res.f()).for_each(|(o, r)| *o += r);
                         Val::F(Rc::new(out))
                     }
+                    Op::NormGeGlu { eps, scale } => {
+                        let x = get(&vals, ins[0]);
+                        let k = g.node(ins[0]).ty.last();
+                        let nw = if ins.len() > 3 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };
+                        let mut xn = vec![0f32; x.f().len()];
+                        ops::rms_norm(x.f(), nw.as_deref().map(|v| v.as_slice()), k, *eps, *scale, &mut xn);
+                        let (gi, ui) = (ins[ins.len() - 2], ins[ins.len() - 1]);
+                        let n = g.node(gi).ty.shape[0];
+                        let mut gate = vec![0f32; out.len()];
+                        ops::matmul(&xn, &weight_or_value(g, w, &vals, gi)?, k, n, &mut gate);
+                        ops::matmul(&xn, &weight_or_value(g, w, &vals, ui)?, k, n, &mut out);
+                        out.iter_mut().zip(&gate).for_each(|(u, &gt)| *u *= ops::gelu(gt));
+                        Val::F(Rc::new(out))
+                    }
                     Op::NormMatMul { eps, scale } => {
                         let x = get(&vals, ins[0]);
                         let k = g.node(ins[0]).ty.last();

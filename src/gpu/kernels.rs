@@ -53,6 +53,55 @@ pub const MAX_ROPE_PAIRS: usize = 256;
 const ATTN_WG: u32 = 128;
 const ELEM_WG: u32 = 256;
 const NORM_WG: u32 = 256;
+
+/// weights.wgsl for a second weight (dual GEMV): its bindings 8..11 moved to 12..15 and every
+/// binding and function name suffixed `_u`; the shared structs are left out.
+fn weights_second() -> &'static str {
+    static S: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        const NAMES: [&str; 19] = [
+            "wq", "wsc", "wbi", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
+            "oct_codes", "blk_codes", "wf4", "bf16x4", "dq_blk", "dq_oct",
+        ];
+        let mut out = String::new();
+        let mut in_struct = false;
+        for line in WEIGHTS.lines() {
+            if line.starts_with("struct ") {
+                in_struct = true;
+            }
+            if in_struct {
+                in_struct = line != "}";
+                continue;
+            }
+            let mut l = line.to_string();
+            for b in 8..12 {
+                l = l.replace(&format!("@binding({b})"), &format!("@binding({})", b + 4));
+            }
+            // rename whole identifiers
+            let mut r = String::with_capacity(l.len() + 8);
+            let mut word = String::new();
+            let flush = |word: &mut String, r: &mut String| {
+                if NAMES.contains(&word.as_str()) {
+                    word.push_str("_u");
+                }
+                r.push_str(word);
+                word.clear();
+            };
+            for ch in l.chars() {
+                if ch.is_ascii_alphanumeric() || ch == '_' {
+                    word.push(ch);
+                } else {
+                    flush(&mut word, &mut r);
+                    r.push(ch);
+                }
+            }
+            flush(&mut word, &mut r);
+            out.push_str(&r);
+            out.push('\n');
+        }
+        out
+    })
+}
 const MOE_GROUP_WG: u32 = 256;
 
 fn dt_code(t: FloatType) -> u32 {
@@ -70,7 +119,9 @@ pub enum KernelSpec {
     /// `bp2`: two 32-element blocks per invocation and step (`tt == 1` only);
     /// `norm`: an RMSNorm of x fused in front (`tt == 1`, not gathered), with its
     /// weight's dtype (`Some(None)`: no weight).
-    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>> },
+    /// `dual`: two weights (gate and up) whose rows combine as `gelu(gate) * up` (`tt == 1`,
+    /// not gathered, not `bp2`).
+    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>>, dual: bool },
     Gemm { fmt: GpuFormat },
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
@@ -138,9 +189,10 @@ impl KernelSpec {
 
     pub fn name(&self) -> String {
         match self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm } => format!(
-                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}]",
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual } => format!(
+                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}{}]",
                 fmt.describe(),
+                if *dual { " geglu" } else { "" },
                 match norm {
                     Some(w) => format!(" norm[{}]", w.map_or("none", |t| t.name())),
                     None => String::new(),
@@ -175,15 +227,19 @@ impl KernelSpec {
     pub fn source(&self, subgroups: bool) -> Source {
         let sg = subgroups && self.uses_subgroups();
         match *self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm } => {
-                let s = Source::new(&[COMMON, WEIGHTS, GEMV])
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual } => {
+                let files: &[&'static str] = if dual { &[COMMON, WEIGHTS, weights_second(), GEMV] } else { &[COMMON, WEIGHTS, GEMV] };
+                let rs = rows * tt * if dual { 2 } else { 1 };
+                let s = Source::new(files)
+                    .c("RS", rs)
+                    .flag("DUAL", dual)
                     .c("NDT", norm.flatten().map_or(2, dt_code))
                     .flag("PRENORM", norm.is_some())
                     .flag("HAS_NW", norm.flatten().is_some())
                     .c("WG", wg)
                     .c("R", rows)
                     .c("TT", tt)
-                    .c("RED_N", rows * tt * wg)
+                    .c("RED_N", rs * wg)
                     .flag("SUBGROUP", sg)
                     .flag("GATHER", gather)
                     .flag("XVEC", xvec)
@@ -245,10 +301,13 @@ impl KernelSpec {
                         if bp2 && tt != 1 {
                             continue;
                         }
-                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None });
+                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false });
                         if tt == 1 && !gather {
                             let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
-                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm });
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false });
+                            if !bp2 {
+                                v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true });
+                            }
                         }
                     }
                 }
@@ -506,6 +565,17 @@ impl Kernels {
         self.matmul_with(fmt, k, 1, false, Some(norm))
     }
 
+    /// `gelu(rms_norm(x) @ Wg^T) * (rms_norm(x) @ Wu^T)` for one token (`Op::NormGeGlu`):
+    /// the dual GEMV, half the rows per workgroup of each weight.
+    pub fn norm_geglu(&self, fmt: GpuFormat, k: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
+        let m = self.matmul_with(fmt, k, 1, false, Some(norm))?;
+        let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, norm, .. } = m.spec else {
+            return Err(GpuError::Kernel { name: "norm_geglu".into(), msg: "not a GEMV".into() });
+        };
+        let rows = (rows / 2).max(1);
+        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true })
+    }
+
     fn matmul_with(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>) -> Result<MatMulKernel, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
         if norm.is_some() && (t != 1 || gather) {
@@ -526,7 +596,7 @@ impl Kernels {
             let steps = if bp2 { nblk.div_ceil(2) } else { nblk };
             let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
             let wg = envu("MARKBASE_GEMV_WG").unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg);
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm }
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false }
         } else {
             KernelSpec::Gemm { fmt }
         };
@@ -762,6 +832,29 @@ impl MatMulKernel {
             res.push((3, r.as_entire_binding()));
         }
         res.extend(w.bindings(c));
+        self.kernel.bind_group(device, &res)
+    }
+
+    /// Bind group for chunk `c` of the gate `w` and the up `wu` (dual GEMV) behind a fused
+    /// norm with weight `nw`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_dual(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+        w: &GpuWeight,
+        wu: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        if let Some(nw) = nw {
+            res.push((4, nw.as_entire_binding()));
+        }
+        res.extend(w.bindings(c));
+        res.extend(wu.bindings(c).into_iter().map(|(b, r)| (b + 4, r)));
         self.kernel.bind_group(device, &res)
     }
 

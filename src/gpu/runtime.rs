@@ -312,6 +312,29 @@ impl GpuExecutor {
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0), rb.as_ref());
                         push(k.kernel.clone(), bg, k.groups(rows));
                     }
+                    Op::NormGeGlu { eps, scale } => {
+                        let (gi, ui) = (ins.len() - 2, ins.len() - 1);
+                        let (w, wu) = (mat(gi)?, mat(ui)?);
+                        if w.format != wu.format || w.k != wu.k || w.rows != wu.rows || w.chunks.len() != wu.chunks.len() {
+                            return Err(format!("node %{} {}: gate and up differ in format or shape", node.id, node.name));
+                        }
+                        let rows = g.node(ins[0]).ty.rows();
+                        if rows != 1 {
+                            return Err(format!("node %{} {}: a fused GeGLU runs on one token, not {rows}", node.id, node.name));
+                        }
+                        let nw = if gi == 2 {
+                            Some(vecw(1).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
+                        } else {
+                            None
+                        };
+                        let k = self.kernels.norm_geglu(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
+                        for ci in 0..w.chunks.len() {
+                            let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
+                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
+                            let bg = k.bind_group_dual(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), w, wu, ci);
+                            push(k.kernel.clone(), bg, k.groups(&d));
+                        }
+                    }
                     Op::NormMatMul { eps, scale } => {
                         let wi = ins.len() - 1;
                         let w = mat(wi)?;
