@@ -105,6 +105,17 @@ fn f16x2_pick(word: u32, i: u32, dt: u32) -> f32 {
     return f16_bits_to_f32(h);
 }
 
+// The scale an RMSNorm applies from its weight value w: mode 2 `1 + w`, 1 `w`, 0 none (1).
+fn norm_w_scale(w: f32, mode: u32) -> f32 {
+    if mode == 2u {
+        return 1.0 + w;
+    }
+    if mode == 1u {
+        return w;
+    }
+    return 1.0;
+}
+
 // tanh with the argument clamped to [-15, 15] (as the CPU reference).
 fn tanh_c(v: f32) -> f32 {
     return tanh(clamp(v, -15.0, 15.0));

@@ -103,14 +103,10 @@ fn nscale1(k: u32) -> f32 {
     } else {
         w = f16x2_pick(nw[k >> 1u], k, NDT);
     }
-    if p.norm_mode == 2u {
-        return 1.0 + w;
-    }
-    if p.norm_mode == 1u {
-        return w;
-    }
-//#endif
+    return norm_w_scale(w, p.norm_mode);
+//#else
     return 1.0;
+//#endif
 }
 
 fn nscale4(k: u32) -> vec4<f32> {

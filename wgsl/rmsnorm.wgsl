@@ -31,14 +31,10 @@ fn norm_scale(i: u32) -> f32 {
     } else {
         w = f16x2_pick(nw[i >> 1u], i, NDT);
     }
-    if p.mode == 2u {
-        return 1.0 + w;
-    }
-    if p.mode == 1u {
-        return w;
-    }
-//#endif
+    return norm_w_scale(w, p.mode);
+//#else
     return 1.0;
+//#endif
 }
 
 @compute @workgroup_size(WG)

@@ -77,14 +77,10 @@ fn norm_scale(i: u32) -> f32 {
     } else {
         w = f16x2_pick(nw[i >> 1u], i, NDT);
     }
-    if p.norm_mode == 2u {
-        return 1.0 + w;
-    }
-    if p.norm_mode == 1u {
-        return w;
-    }
-//#endif
+    return norm_w_scale(w, p.norm_mode);
+//#else
     return 1.0;
+//#endif
 }
 
 @compute @workgroup_size(WG)

@@ -260,7 +260,7 @@ impl<'a> B<'a> {
             let h = self.g.node(x).ty.last();
             let wg = self.w(&format!("layers.{i}.mlp.gate_proj"), l, &[inter, h], true);
             let wu = self.w(&format!("layers.{i}.mlp.up_proj"), l, &[inter, h], true);
-            let fmt = |b: &Self, n: NodeIndex| b.g.node(n).weight().map(|p| p.format.clone());
+            let fmt = |b: &Self, n: NodeIndex| b.g.node(n).weight().map(|p| p.format);
             if fmt(self, wg) == fmt(self, wu) {
                 let ins: Vec<NodeIndex> = std::iter::once(x).chain(w).chain([wg, wu]).collect();
                 let gu = self.op("gate_up_geglu", l, Op::NormGeGlu { eps: self.eps, scale }, &ins)?;

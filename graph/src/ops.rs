@@ -218,6 +218,17 @@ impl Op {
         }
     }
 
+    /// Input slot of the norm weight of a norm or fused-norm op, when it has one.
+    pub fn norm_weight_input(&self) -> Option<usize> {
+        match self {
+            Op::RmsNorm { scale, .. } | Op::NormMatMul { scale, .. } | Op::NormGeGlu { scale, .. } if *scale != NormScale::None => {
+                Some(1)
+            }
+            Op::RmsNormAdd { scale, .. } | Op::NormRope { scale, .. } if *scale != NormScale::None => Some(2),
+            _ => None,
+        }
+    }
+
     /// Whether the op's output is a view of its first input (no buffer of its own).
     pub fn is_view(&self) -> bool {
         matches!(self, Op::Reshape { .. })

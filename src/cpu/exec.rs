@@ -191,26 +191,15 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                             .map_err(|e| format!("node {}: {e}", node.name))?;
                         Val::F(Rc::new(out))
                     }
-                    Op::RmsNorm { eps, scale } => {
-                        let x = get(&vals, ins[0]);
-                        let wt = if ins.len() > 1 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };
-                        ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, *scale, &mut out);
-                        Val::F(Rc::new(out))
-                    }
+                    Op::RmsNorm { eps, scale } => Val::F(Rc::new(normed_input(g, w, &vals, n, op, *eps, *scale)?)),
                     Op::RmsNormAdd { eps, scale } => {
-                        let x = get(&vals, ins[0]);
-                        let res = get(&vals, ins[1]);
-                        let wt = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[2])?) } else { None };
-                        ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, *scale, &mut out);
-                        out.iter_mut().zip(res.f()).for_each(|(o, r)| *o += r);
+                        let mut out = normed_input(g, w, &vals, n, op, *eps, *scale)?;
+                        out.iter_mut().zip(get(&vals, ins[1]).f()).for_each(|(o, r)| *o += r);
                         Val::F(Rc::new(out))
                     }
                     Op::NormGeGlu { eps, scale } => {
-                        let x = get(&vals, ins[0]);
                         let k = g.node(ins[0]).ty.last();
-                        let nw = if ins.len() > 3 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };
-                        let mut xn = vec![0f32; x.f().len()];
-                        ops::rms_norm(x.f(), nw.as_deref().map(|v| v.as_slice()), k, *eps, *scale, &mut xn);
+                        let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
                         let (gi, ui) = (ins[ins.len() - 2], ins[ins.len() - 1]);
                         let n = g.node(gi).ty.shape[0];
                         let mut gate = vec![0f32; out.len()];
@@ -220,11 +209,8 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         Val::F(Rc::new(out))
                     }
                     Op::NormMatMul { eps, scale } => {
-                        let x = get(&vals, ins[0]);
                         let k = g.node(ins[0]).ty.last();
-                        let nw = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[1])?) } else { None };
-                        let mut xn = vec![0f32; x.f().len()];
-                        ops::rms_norm(x.f(), nw.as_deref().map(|v| v.as_slice()), k, *eps, *scale, &mut xn);
+                        let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
                         let wi = ins[ins.len() - 1];
                         let wt = weight_or_value(g, w, &vals, wi)?;
                         ops::matmul(&xn, &wt, k, g.node(wi).ty.shape[0], &mut out);
@@ -238,12 +224,9 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         Val::F(Rc::new(out))
                     }
                     Op::NormRope { eps, scale, theta, factor, rotary_pairs } => {
-                        let x = get(&vals, ins[0]);
                         let p = get(&vals, ins[1]);
                         let s = &node.ty.shape;
-                        let wt = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[2])?) } else { None };
-                        let mut xn = vec![0f32; out.len()];
-                        ops::rms_norm(x.f(), wt.as_deref().map(|v| v.as_slice()), s[2], *eps, *scale, &mut xn);
+                        let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
                         ops::rope(&xn, p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
                         Val::F(Rc::new(out))
                     }
@@ -361,6 +344,29 @@ fn state_key(g: &markbase_graph::Graph, n: NodeIndex) -> StateKind {
 }
 
 /// An operand that is either a weight (dequantized) or a computed value.
+/// The first input of norm or fused-norm node `n` (op `op`), RMS-normed over its last dim
+/// with the op's norm weight, if it has one.
+fn normed_input(
+    g: &markbase_graph::Graph,
+    w: &mut CpuWeights,
+    vals: &[Option<Val>],
+    n: NodeIndex,
+    op: &Op,
+    eps: f32,
+    scale: markbase_graph::ops::NormScale,
+) -> Result<Vec<f32>, String> {
+    let ins = g.inputs(n);
+    let wt = match op.norm_weight_input() {
+        Some(i) => Some(weight_or_value(g, w, vals, ins[i])?),
+        None => None,
+    };
+    let x = vals[ins[0].index()].as_ref().ok_or("norm input not computed")?;
+    let Val::F(x) = x else { return Err(format!("norm input of {} is not f32", g.node(n).name)) };
+    let mut out = vec![0f32; x.len()];
+    ops::rms_norm(x, wt.as_deref().map(|v| v.as_slice()), g.node(ins[0]).ty.last(), eps, scale, &mut out);
+    Ok(out)
+}
+
 fn weight_or_value(
     g: &markbase_graph::Graph,
     w: &mut CpuWeights,

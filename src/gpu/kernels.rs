@@ -827,11 +827,31 @@ impl MatMulKernel {
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
+        self.bind(device, params, x, y, routing.map(|r| (3, r)), w, None, c)
+    }
+
+    /// Bindings 0-2, one optional extra (`(binding, buffer)`), chunk `c` of `w` at 8.. and of
+    /// the dual GEMV's second weight `wu` at 12...
+    #[allow(clippy::too_many_arguments)]
+    fn bind(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        extra: Option<(u32, &wgpu::Buffer)>,
+        w: &GpuWeight,
+        wu: Option<&GpuWeight>,
+        c: usize,
+    ) -> wgpu::BindGroup {
         let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
-        if let Some(r) = routing {
-            res.push((3, r.as_entire_binding()));
+        if let Some((b, buf)) = extra {
+            res.push((b, buf.as_entire_binding()));
         }
         res.extend(w.bindings(c));
+        if let Some(wu) = wu {
+            res.extend(wu.bindings(c).into_iter().map(|(b, r)| (b + 4, r)));
+        }
         self.kernel.bind_group(device, &res)
     }
 
@@ -849,13 +869,7 @@ impl MatMulKernel {
         wu: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
-        if let Some(nw) = nw {
-            res.push((4, nw.as_entire_binding()));
-        }
-        res.extend(w.bindings(c));
-        res.extend(wu.bindings(c).into_iter().map(|(b, r)| (b + 4, r)));
-        self.kernel.bind_group(device, &res)
+        self.bind(device, params, x, y, nw.map(|b| (4, b)), w, Some(wu), c)
     }
 
     /// Bind group for chunk `c` of `w` behind a fused norm with weight `nw`.
@@ -870,12 +884,7 @@ impl MatMulKernel {
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
-        if let Some(nw) = nw {
-            res.push((4, nw.as_entire_binding()));
-        }
-        res.extend(w.bindings(c));
-        self.kernel.bind_group(device, &res)
+        self.bind(device, params, x, y, nw.map(|b| (4, b)), w, None, c)
     }
 
     pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, d: &MatMulDims) {

@@ -225,6 +225,12 @@ impl GpuExecutor {
                     self.mats.get(&name).ok_or_else(|| format!("weight {name} not uploaded"))
                 };
                 let vecw = |i: usize| -> Option<&(wgpu::Buffer, FloatType)> { wname(i).and_then(|nm| self.vecs.get(&nm)) };
+                // the norm weight of a norm or fused-norm op (at the slot the op defines)
+                let norm_w = || -> Result<Option<&(wgpu::Buffer, FloatType)>, String> {
+                    op.norm_weight_input()
+                        .map(|i| vecw(i).ok_or_else(|| format!("node {}: norm weight missing", node.name)))
+                        .transpose()
+                };
                 let mut uni = |bytes: &[u8]| -> wgpu::Buffer {
                     let b = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
                         label: Some(&node.name),
@@ -300,12 +306,7 @@ impl GpuExecutor {
                         let rows = node.ty.rows();
                         let d = node.ty.last();
                         let res = matches!(op, Op::RmsNormAdd { .. });
-                        let wi = if res { 2 } else { 1 };
-                        let wv = if ins.len() > wi {
-                            Some(vecw(wi).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
-                        } else {
-                            None
-                        };
+                        let wv = norm_w()?;
                         let k = self.kernels.rms_norm(wv.map(|v| v.1), res).map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
                         let rb = if res { Some(buf(ins[1])?) } else { None };
@@ -322,11 +323,7 @@ impl GpuExecutor {
                         if rows != 1 {
                             return Err(format!("node %{} {}: a fused GeGLU runs on one token, not {rows}", node.id, node.name));
                         }
-                        let nw = if gi == 2 {
-                            Some(vecw(1).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
-                        } else {
-                            None
-                        };
+                        let nw = norm_w()?;
                         let k = self.kernels.norm_geglu(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
                         for ci in 0..w.chunks.len() {
                             let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
@@ -339,11 +336,7 @@ impl GpuExecutor {
                         let wi = ins.len() - 1;
                         let w = mat(wi)?;
                         let rows = g.node(ins[0]).ty.rows();
-                        let nw = if wi == 2 {
-                            Some(vecw(1).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
-                        } else {
-                            None
-                        };
+                        let nw = norm_w()?;
                         if rows != 1 {
                             return Err(format!("node %{} {}: a fused norm runs on one token, not {rows}", node.id, node.name));
                         }
@@ -370,11 +363,7 @@ impl GpuExecutor {
                             Op::NormRope { eps, scale, .. } => Some((*scale, *eps)),
                             _ => None,
                         };
-                        let wv = if ins.len() > 2 {
-                            Some(vecw(2).ok_or_else(|| format!("node {}: norm weight missing", node.name))?)
-                        } else {
-                            None
-                        };
+                        let wv = norm_w()?;
                         let k = self.kernels.rope(norm.map(|_| wv.map(|v| v.1))).map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs).with_norm(norm)));
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, wv.map(|v| &v.0));
