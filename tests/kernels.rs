@@ -558,7 +558,7 @@ fn norm_matmul_formats() {
     let gpu = &e.gpu;
     let fmts =
         [GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 }, GpuFormat::Float(FloatType::Bf16), GpuFormat::Nvfp4 { global: false }];
-    for fmt in fmts {
+    for (fmt_i, fmt) in fmts.into_iter().enumerate() {
         let (n, k) = (37, test_k(fmt));
         let wd = random_weight(&mut r, fmt, &[n, k]);
         let wref = markbase::quant::dequantize(&wd).unwrap();
@@ -567,7 +567,14 @@ fn norm_matmul_formats() {
         let wd2 = random_weight(&mut r, fmt, &[n, k]);
         let wref2 = markbase::quant::dequantize(&wd2).unwrap();
         let gw2: GpuWeight = upload_weight(gpu, &wd2, Some(chunk_limit(fmt, &[n, k], 3))).unwrap();
-        for (scale, nt) in [(NormScale::OnePlusW, Some(FloatType::Bf16)), (NormScale::W, Some(FloatType::F32)), (NormScale::None, None)] {
+        // single-chunk weights of 37 and 13 rows for the concatenating GEMV
+        let wd3 = random_weight(&mut r, fmt, &[13, k]);
+        let wref3 = markbase::quant::dequantize(&wd3).unwrap();
+        let c3: GpuWeight = upload_weight(gpu, &wd3, None).unwrap();
+        let (c1, c2): (GpuWeight, GpuWeight) = (upload_weight(gpu, &wd, None).unwrap(), upload_weight(gpu, &wd2, None).unwrap());
+        for (norm_i, (scale, nt)) in
+            [(NormScale::OnePlusW, Some(FloatType::Bf16)), (NormScale::W, Some(FloatType::F32)), (NormScale::None, None)].into_iter().enumerate()
+        {
             let x = randn(&mut r, k, 4.0);
             let nwv = randn(&mut r, k, 1.0);
             let nwt = nt.map(|t| float_tensor(t, &[k], &nwv));
@@ -612,6 +619,27 @@ fn norm_matmul_formats() {
                     }
                 });
                 check(&format!("norm_geglu {} {scale:?} [{label}] N={n} K={k}", fmt.describe()), &gpu.read_f32(&y, n).unwrap(), &want_gu);
+                // q, k and v: two or three weights (row counts not multiples of a row group), one
+                // dispatch, outputs side by side
+                // (one norm convention per format: each is a separate, slow to build, kernel)
+                let sets = if norm_i == fmt_i % 3 { vec![vec![(&c1, &wref), (&c2, &wref2), (&c3, &wref3)], vec![(&c3, &wref3), (&c1, &wref)]] } else { vec![] };
+                for set in sets {
+                    let ws: Vec<&GpuWeight> = set.iter().map(|p| p.0).collect();
+                    let ncat: usize = ws.iter().map(|w| w.rows).sum();
+                    let mut want_cat = Vec::new();
+                    for (w, wr) in &set {
+                        let mut part = vec![0f32; w.rows];
+                        cpu::matmul(&xn, wr, k, w.rows, &mut part);
+                        want_cat.extend(part);
+                    }
+                    let mm = ks.norm_matmul_cat(&ws, nt).unwrap().expect("one dispatch for single-chunk weights of one format");
+                    let y = gpu.storage("y", (ncat * 4) as u64);
+                    let d = MatMulDims::cat(&ws).with_norm(scale, 1e-6);
+                    let params = gpu.uniform("p", &mm.params(&d));
+                    let bg = mm.bind_group_cat(&gpu.device, &params, &xb, &y, nwb.as_ref(), &ws);
+                    run(gpu, |pass| mm.dispatch(pass, &bg, &d));
+                    check(&format!("norm_matmul cat{} {} {scale:?} [{label}] K={k}", ws.len(), fmt.describe()), &gpu.read_f32(&y, ncat).unwrap(), &want_cat);
+                }
             }
         }
     }
@@ -1069,16 +1097,35 @@ fn gemv_bandwidth() {
                 }
             }
         }
+        // MARKBASE_BENCH_KIND=norm: RMSNorm fused in front (bf16 norm weight, `norm_matmul`);
+        // geglu: two weights per layer in one dual GEMV (`norm_geglu`); plain otherwise
+        let kind = std::env::var("MARKBASE_BENCH_KIND").unwrap_or_default();
+        let nw = gpu.upload("nw", &bf16_bytes(&randn(&mut r, k, 1.0)));
         for (label, ks) in &kss {
-            let mm = ks.matmul(fmt, k, t, false).unwrap();
+            let mm = match kind.as_str() {
+                "norm" => ks.norm_matmul(fmt, k, Some(FloatType::Bf16)).unwrap(),
+                "geglu" => ks.norm_geglu(fmt, k, Some(FloatType::Bf16)).unwrap(),
+                _ => ks.matmul(fmt, k, t, false).unwrap(),
+            };
             let d = MatMulDims::plain(&ws[0], 0, t);
+            let d = if kind.is_empty() { d } else { d.with_norm(NormScale::OnePlusW, 1e-6) };
             let pb = gpu.uniform("p", &mm.params(&d));
             // MARKBASE_BENCH_DISTINCT_Y=1: one output per layer (independent dispatches, no
             // barriers between them) instead of one shared output (dependent, like a model)
             let distinct = std::env::var("MARKBASE_BENCH_DISTINCT_Y").is_ok_and(|v| v == "1");
             let ys: Vec<wgpu::Buffer> = if distinct { (0..layers).map(|_| gpu.storage("y", (t * n * 4) as u64)).collect() } else { vec![] };
-            let bgs: Vec<wgpu::BindGroup> =
-                ws.iter().enumerate().map(|(i, w)| mm.bind_group(&gpu.device, &pb, &x, if distinct { &ys[i] } else { &y }, None, w, 0)).collect();
+            let bgs: Vec<wgpu::BindGroup> = ws
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let y = if distinct { &ys[i] } else { &y };
+                    match kind.as_str() {
+                        "norm" => mm.bind_group_norm(&gpu.device, &pb, &x, y, Some(&nw), w, 0),
+                        "geglu" => mm.bind_group_dual(&gpu.device, &pb, &x, y, Some(&nw), w, &ws[(i + 1) % layers], 0),
+                        _ => mm.bind_group(&gpu.device, &pb, &x, y, None, w, 0),
+                    }
+                })
+                .collect();
             let qs = gpu
                 .info
                 .timestamps
@@ -1124,6 +1171,7 @@ fn gemv_bandwidth() {
             times.sort_by(|a, b| a.partial_cmp(b).unwrap());
             let med = times[times.len() / 2];
             let per = med / layers as f64;
+            let bytes_per_layer = if kind == "geglu" { 2.0 * bytes_per_layer } else { bytes_per_layer };
             println!(
                 "BENCH gemv {} [{label}] {} T={t} N={n} K={k}: {:.1} us/layer, {:.0} GB/s (median of {iters}, {layers} layers, {:.1} MB each, {})",
                 fmt.describe(),

@@ -13,6 +13,11 @@
 // DUAL (one token, one block per step): two weights of the same shape and format (a GeGLU's
 // gate and up), the same R rows of each; y = gelu(gate row) * up row.
 //
+// CAT (one token, one block per step, after PRENORM): two or three weights of one format and K
+// (a q/k/v projection), their outputs side by side: workgroups walk the row groups of the first
+// (p.rows rows), then of the second (p.rows2), then of the third (p.rows3, CAT3), a weight per
+// workgroup. Bindings of the third weight: 16.. (renamed with a `_v` suffix).
+//
 // Prelude consts: WG, R, TT, RS (reduction slots per invocation: R * TT, twice that with
 // DUAL), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32); weight consts
 // (weights.wgsl).
@@ -34,6 +39,8 @@ struct Params {
     E: u32,          // experts of the stack (read by the grouped GEMM only)
     norm_mode: u32,  // PRENORM: 0 no weight, 1 w, 2 1 + w
     norm_eps: f32,   // PRENORM
+    rows2: u32,      // CAT: rows of the second weight
+    rows3: u32,      // CAT3: rows of the third weight
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -46,7 +53,9 @@ struct Params {
 //#if GATHER
 @group(0) @binding(3) var<storage, read> ids: array<u32>;
 //#endif
-//#if HAS_NW
+//#if HAS_NW && XVEC
+@group(0) @binding(4) var<storage, read> nw: array<vec4<u32>>;
+//#elif HAS_NW
 @group(0) @binding(4) var<storage, read> nw: array<u32>;
 //#endif
 
@@ -90,7 +99,46 @@ fn xs4(b: u32, k: u32, K: u32) -> vec4<f32> {
 }
 //#endif
 
-//#if PRENORM
+//#if PRENORM && HAS_NW && XVEC
+// Four 16-bit norm weights (NDT) packed in two words.
+fn h16x4(a: u32, b: u32) -> vec4<f32> {
+    if NDT == 0u {
+        return bitcast<vec4<f32>>(vec4<u32>(a << 16u, a & 0xffff0000u, b << 16u, b & 0xffff0000u));
+    }
+    return vec4<f32>(f16_bits_to_f32(a & 0xffffu), f16_bits_to_f32(a >> 16u), f16_bits_to_f32(b & 0xffffu), f16_bits_to_f32(b >> 16u));
+}
+
+fn nscale_v4(w: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(norm_w_scale(w.x, p.norm_mode), norm_w_scale(w.y, p.norm_mode), norm_w_scale(w.z, p.norm_mode), norm_w_scale(w.w, p.norm_mode));
+}
+
+// Block `blk` of x times the norm weight (K % 32 == 0: the weights' block in vec4 loads).
+fn norm_x(v: V8, blk: u32) -> V8 {
+    var w: V8;
+    if NDT == 2u {
+//#repeat 8 i
+        w.v$i = bitcast<vec4<f32>>(nw[blk * 8u + $iu]);
+//#endrepeat
+    } else {
+//#repeat 4 j
+        let n$j = nw[blk * 4u + $ju];
+//#endrepeat
+        w.v0 = h16x4(n0.x, n0.y);
+        w.v1 = h16x4(n0.z, n0.w);
+        w.v2 = h16x4(n1.x, n1.y);
+        w.v3 = h16x4(n1.z, n1.w);
+        w.v4 = h16x4(n2.x, n2.y);
+        w.v5 = h16x4(n2.z, n2.w);
+        w.v6 = h16x4(n3.x, n3.y);
+        w.v7 = h16x4(n3.z, n3.w);
+    }
+    var o: V8;
+//#repeat 8 i
+    o.v$i = v.v$i * nscale_v4(w.v$i);
+//#endrepeat
+    return o;
+}
+//#elif PRENORM
 // Norm scale of element k (1 past K and without a weight).
 fn nscale1(k: u32) -> f32 {
 //#if HAS_NW
@@ -122,7 +170,9 @@ fn norm_x(v: V8, blk: u32) -> V8 {
 //#endrepeat
     return o;
 }
+//#endif
 
+//#if PRENORM
 fn sumsq(v: V8) -> f32 {
     let s = ((v.v0 * v.v0 + v.v1 * v.v1) + (v.v2 * v.v2 + v.v3 * v.v3)) + ((v.v4 * v.v4 + v.v5 * v.v5) + (v.v6 * v.v6 + v.v7 * v.v7));
     return (s.x + s.y) + (s.z + s.w);
@@ -169,7 +219,17 @@ fn main(
 //#endif
     let K = p.K;
     let nblk = (K + 31u) / 32u;
+//#if CAT
+    let ng1 = (p.rows + R - 1u) / R;
+    let ng12 = ng1 + (p.rows2 + R - 1u) / R;
+//#if CAT3
+    let nrg = ng12 + (p.rows3 + R - 1u) / R;
+//#else
+    let nrg = ng12;
+//#endif
+//#else
     let nrg = (p.rows + R - 1u) / R;
+//#endif
 //#if GATHER
     let nty = p.T;
 //#else
@@ -192,7 +252,17 @@ fn main(
         let t0 = ty * TT;
 //#endif
         for (var rg = wid.x; rg < nrg; rg += nwg.x) {
+//#if CAT
+            // the weight of this row group, its rows and its first output column
+            let sec = select(select(2u, 1u, rg < ng12), 0u, rg < ng1);
+            let r0 = (rg - select(select(ng12, ng1, sec == 1u), 0u, sec == 0u)) * R;
+            let nrows = select(select(p.rows3, p.rows2, sec == 1u), p.rows, sec == 0u);
+            let ycol = p.row_start + select(select(p.rows + p.rows2, p.rows, sec == 1u), 0u, sec == 0u);
+//#else
             let r0 = rg * R;
+            let nrows = p.rows;
+            let ycol = p.row_start;
+//#endif
 //#if TT1
             // one token: R scalar accumulators, everything unrolled
 //#repeat R r
@@ -240,9 +310,27 @@ fn main(
                 xv = norm_x(xv, blk);
 //#endif
                 let xs = xsum(xv);
+//#if CAT
+                if sec == 0u {
 //#repeat R r
-                acc$r += blk_dot(dq_blk(wbase + min(r0 + $ru, p.rows - 1u), blk, K), xv, xs);
+                    acc$r += blk_dot(dq_blk(min(r0 + $ru, nrows - 1u), blk, K), xv, xs);
 //#endrepeat
+                } else if sec == 1u {
+//#repeat R r
+                    acc$r += blk_dot(dq_blk_u(min(r0 + $ru, nrows - 1u), blk, K), xv, xs);
+//#endrepeat
+                } else {
+//#if CAT3
+//#repeat R r
+                    acc$r += blk_dot(dq_blk_v(min(r0 + $ru, nrows - 1u), blk, K), xv, xs);
+//#endrepeat
+//#endif
+                }
+//#else
+//#repeat R r
+                acc$r += blk_dot(dq_blk(wbase + min(r0 + $ru, nrows - 1u), blk, K), xv, xs);
+//#endrepeat
+//#endif
 //#if DUAL
 //#repeat R r
                 accu$r += blk_dot(dq_blk_u(min(r0 + $ru, p.rows - 1u), blk, K), xv, xs);
@@ -370,11 +458,11 @@ fn main(
             if lid < RT {
                 let row = r0 + lid / TT;
                 let tok = t0 + lid % TT;
-                if in_chunk && row < p.rows && tok < p.T {
+                if in_chunk && row < nrows && tok < p.T {
 //#if DUAL
-                    y[tok * p.ldy + p.row_start + row] = tot;
+                    y[tok * p.ldy + ycol + row] = tot;
 //#else
-                    y[tok * p.ldy + p.row_start + row] = tot * gsc;
+                    y[tok * p.ldy + ycol + row] = tot * gsc;
 //#endif
                 }
             }

@@ -1,4 +1,5 @@
-// KV cache write: cache[pos[t] % S, :] = x[t, :] (rows of nkv * D floats).
+// KV cache write: cache[pos[t] % S, :] = x[t, x_off..x_off + row] (rows of nkv * D floats; x
+// rows of x_ld floats).
 //
 // Prelude consts: WG. Bindings: 0 params, 1 x, 2 pos, 3 cache.
 
@@ -6,7 +7,11 @@ struct Params {
     T: u32,
     row: u32,
     S: u32,
+    x_ld: u32,
+    x_off: u32,
     _p0: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -25,6 +30,6 @@ fn main(
         let t = idx / p.row;
         let j = idx % p.row;
         let slot = pos[t] % p.S;
-        cache[slot * p.row + j] = x[idx];
+        cache[slot * p.row + j] = x[t * p.x_ld + p.x_off + j];
     }
 }

@@ -1,4 +1,4 @@
-// Half-split RoPE on x[T, heads, D]: pairs (i, i + D/2) for i < pairs rotate by
+// Half-split RoPE on heads head0..head0 + heads of x[T, x_heads, D] into out[T, heads, D]: pairs (i, i + D/2) for i < pairs rotate by
 // angle pos[t] * inv_freq_i; the rest is copied.
 //
 // The angle is reduced exactly: the params carry, per pair, frac(inv_freq_i / 2pi)
@@ -19,8 +19,8 @@ struct Params {
     pairs: u32,
     norm_mode: u32,  // NORM: 0 no weight, 1 w, 2 1 + w
     norm_eps: f32,
-    _p0: u32,
-    _p1: u32,
+    x_heads: u32,    // heads of a row of x
+    head0: u32,      // first head of x read
     // pair 2j: (lo, hi) = tab[j].xy, pair 2j+1: tab[j].zw
     tab: array<vec4<u32>, 128>,
 }
@@ -68,6 +68,11 @@ fn rotate(b: u32, i: u32, half: u32, ps: u32, a0: f32, a1: f32) {
     }
 }
 
+// Row of x holding output row `row` (token, head).
+fn x_row(row: u32) -> u32 {
+    return (row / p.heads) * p.x_heads + p.head0 + row % p.heads;
+}
+
 //#if NORM
 fn norm_scale(i: u32) -> f32 {
 //#if HAS_NW
@@ -93,15 +98,16 @@ fn main(
     let half = p.D / 2u;
     for (var row = wid.y * nwg.x + wid.x; row < p.T * p.heads; row += nwg.x * nwg.y) {
         let b = row * p.D;
+        let bx = x_row(row) * p.D;
         var ss = 0.0;
         for (var i = lid; i < p.D; i += WG) {
-            let v = x[b + i];
+            let v = x[bx + i];
             ss = fma(v, v, ss);
         }
         let r = 1.0 / sqrt(wg_sum(ss) / f32(p.D) + p.norm_eps);
         let ps = pos[row / p.heads];
         for (var i = lid; i < half; i += WG) {
-            rotate(b, i, half, ps, x[b + i] * r * norm_scale(i), x[b + i + half] * r * norm_scale(i + half));
+            rotate(b, i, half, ps, x[bx + i] * r * norm_scale(i), x[bx + i + half] * r * norm_scale(i + half));
         }
     }
 }
@@ -118,7 +124,8 @@ fn main(
         let i = idx % half;
         let th = idx / half;
         let b = th * p.D;
-        rotate(b, i, half, pos[th / p.heads], x[b + i], x[b + i + half]);
+        let bx = x_row(th) * p.D;
+        rotate(b, i, half, pos[th / p.heads], x[bx + i], x[bx + i + half]);
     }
 }
 //#endif

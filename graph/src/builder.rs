@@ -5,7 +5,7 @@ use petgraph::graph::NodeIndex;
 
 use crate::config::{Family, LayerType, ModelConfig};
 use crate::ir::{BuildError, Graph, GraphKind, InputKind, StateKind, WeightParam};
-use crate::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
+use crate::ops::{BinaryOp, HeadRange, NormScale, Op, TensorType, UnaryOp};
 use crate::quant::{FloatType, WeightFormat};
 
 /// Decides how each weight is stored. The default follows `config.json`; the
@@ -214,14 +214,47 @@ impl<'a> B<'a> {
         }
     }
 
-    /// `rope(norm(x))` per head.
-    fn norm_rope(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, w: &str, conv: NormScale, rope: &Op) -> Result<NodeIndex, BuildError> {
+    /// The q, k and v projections of layer `i` as `[T, heads, D]` values, each with the heads
+    /// it takes from them. A fused pre-norm (one token): one `NormMatMul` over the three
+    /// weights, read by head range; otherwise three matmuls.
+    fn qkv(&mut self, i: usize, xn: Normed, (nq, nkv, d): (usize, usize, usize)) -> Result<[(NodeIndex, Option<HeadRange>); 3], BuildError> {
+        let l = Some(i);
+        let t = self.g.tokens;
+        let names = [("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)];
+        if let Normed::Fused { x, w, scale } = xn {
+            let h = self.g.node(x).ty.last();
+            let ws: Vec<NodeIndex> = names.iter().map(|(n, heads)| self.w(&format!("layers.{i}.self_attn.{n}"), l, &[heads * d, h], true)).collect();
+            let ins: Vec<NodeIndex> = std::iter::once(x).chain(w).chain(ws).collect();
+            let qkv = self.op("qkv_proj", l, Op::NormMatMul { eps: self.eps, scale }, &ins)?;
+            let qkv = self.reshape("qkv_heads", l, qkv, &[t, nq + 2 * nkv, d])?;
+            let r = |start, count| Some(HeadRange { start, count });
+            return Ok([(qkv, r(0, nq)), (qkv, r(nq, nkv)), (qkv, r(nq + nkv, nkv))]);
+        }
+        let mut out = [(NodeIndex::new(0), None); 3];
+        for (o, (n, heads)) in out.iter_mut().zip(names) {
+            let v = self.linear_n(n, l, xn, &format!("layers.{i}.self_attn.{n}"), heads * d)?;
+            o.0 = self.reshape(&format!("{}_heads", &n[..1]), l, v, &[t, heads, d])?;
+        }
+        Ok(out)
+    }
+
+    /// `rope(norm(x))` per head (of `heads` of x when given).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope(
+        &mut self,
+        name: &str,
+        layer: Option<usize>,
+        (x, heads): (NodeIndex, Option<HeadRange>),
+        w: &str,
+        conv: NormScale,
+        rope: &Op,
+    ) -> Result<NodeIndex, BuildError> {
         let Op::Rope { theta, factor, rotary_pairs } = *rope else {
             return Err(BuildError::Config(format!("{name}: not a rope op: {rope:?}")));
         };
         let d = self.g.node(x).ty.last();
         let wn = self.w(w, layer, &[d], false);
-        let op = Op::NormRope { eps: self.eps, scale: conv, theta, factor, rotary_pairs };
+        let op = Op::NormRope { eps: self.eps, scale: conv, theta, factor, rotary_pairs, heads };
         self.op(name, layer, op, &[x, self.pos, wn])
     }
 
@@ -305,7 +338,6 @@ pub fn build_from_config(cfg: &ModelConfig, o: &BuildOptions) -> Result<Graph, B
 }
 
 fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
-    let t = o.tokens;
     let (h, nq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
     let (mut b, tokens) = B::new(cfg, res, o);
     let conv = NormScale::OnePlusW;
@@ -321,16 +353,11 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let nkv = cfg.layer_kv_heads(i);
         let lt = cfg.layer_types[i];
         let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
-        let q = b.linear_n("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
+        let [q, k, v] = b.qkv(i, xn, (nq, nkv, d))?;
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
-        let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
         let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
-        let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
-        let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
         let k = b.norm_rope("k_norm_rope", l, k, &p("self_attn.k_norm.weight"), conv, &rop)?;
-        let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
-        let v = b.reshape("v_heads", l, v, &[t, nkv, d])?;
         let (kc, vc) = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
@@ -341,15 +368,16 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
     head(b, x, emb, conv, o)
 }
 
-/// Writes K and V of layer `i` into its caches; returns the cache values.
-fn kv_write(b: &mut B, i: usize, k: NodeIndex, v: NodeIndex, slots: usize) -> Result<(NodeIndex, NodeIndex), BuildError> {
+/// Writes K and V of layer `i` into its caches (V: the heads of its value when given); returns
+/// the cache values.
+fn kv_write(b: &mut B, i: usize, k: NodeIndex, (v, v_heads): (NodeIndex, Option<HeadRange>), slots: usize) -> Result<(NodeIndex, NodeIndex), BuildError> {
     let l = Some(i);
     let kt = b.g.node(k).ty.shape.clone();
     let cache_ty = TensorType::f32(&[slots, kt[1], kt[2]]);
     let ks = b.g.state(&format!("l{i}.k_cache"), l, StateKind::KvCache { layer: i, value: false }, cache_ty.clone());
     let vs = b.g.state(&format!("l{i}.v_cache"), l, StateKind::KvCache { layer: i, value: true }, cache_ty);
-    let kc = b.op("k_write", l, Op::KvWrite, &[k, b.pos, ks])?;
-    let vc = b.op("v_write", l, Op::KvWrite, &[v, b.pos, vs])?;
+    let kc = b.op("k_write", l, Op::KvWrite { heads: None }, &[k, b.pos, ks])?;
+    let vc = b.op("v_write", l, Op::KvWrite { heads: v_heads }, &[v, b.pos, vs])?;
     Ok((kc, vc))
 }
 
@@ -437,7 +465,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let rope = cfg.layer_rope(i).clone();
         let pairs = if rope.partial < 1.0 { ((d as f64 * rope.partial) as usize) / 2 } else { d / 2 };
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: pairs };
-        let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
+        let q = b.norm_rope("q_norm_rope", l, (q, None), &p("self_attn.q_norm.weight"), conv, &rop)?;
         let (kc, vc) = if i < first_shared {
             let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
             let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
@@ -447,9 +475,9 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
                 let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
                 b.reshape("v_heads", l, v, &[t, nkv, d])?
             };
-            let k = b.norm_rope("k_norm_rope", l, k, &p("self_attn.k_norm.weight"), conv, &rop)?;
+            let k = b.norm_rope("k_norm_rope", l, (k, None), &p("self_attn.k_norm.weight"), conv, &rop)?;
             let v = b.norm("v_norm", l, v, None, NormScale::None)?;
-            let kv = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
+            let kv = kv_write(&mut b, i, k, (v, None), cache_slots(cfg, lt, o))?;
             caches[i] = Some(kv);
             kv
         } else {

@@ -124,9 +124,10 @@ pub enum Op {
     /// `[x: f32[.., D], res: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`:
     /// `res + rms_norm(x)` (a post-norm and its residual add, one pass).
     RmsNormAdd { eps: f32, scale: NormScale },
-    /// `[x: f32[.., K], nw?: f32-weight[K], w: weight[N, K]] -> f32[.., N]`:
-    /// `rms_norm(x) @ w^T` (a pre-norm read by matmuls only; the norm's weight is the
-    /// second input unless `scale` is `None`).
+    /// `[x: f32[.., K], nw?: f32-weight[K], w1: weight[N1, K], w2.., ..] -> f32[.., N1 + N2 + ..]`:
+    /// `rms_norm(x) @ [w1; w2; ..]^T` (a pre-norm read by matmuls only; the norm's weight is
+    /// the second input unless `scale` is `None`). Several weights: their outputs side by
+    /// side in one value (the q, k and v projections of one token in one pass).
     NormMatMul { eps: f32, scale: NormScale },
     /// `[x: f32[.., K], nw?: f32-weight[K], wg: weight[I, K], wu: weight[I, K]] -> f32[.., I]`:
     /// `gelu(m @ wg^T) * (m @ wu^T)` with `m = rms_norm(x)` (a GeGLU MLP's gate, up and
@@ -136,11 +137,13 @@ pub enum Op {
     /// `(i, i + D/2)` for `i < rotary_pairs`; `inv_freq_i = theta^(-2i/D) / factor`.
     Rope { theta: f32, factor: f32, rotary_pairs: usize },
     /// `[x: f32[T, heads, D], pos: u32[T], w?: f32-weight[D]] -> f32[T, heads, D]`:
-    /// `rope(rms_norm(x))` per head (the q/k norms and their RoPE, one pass).
-    NormRope { eps: f32, scale: NormScale, theta: f32, factor: f32, rotary_pairs: usize },
+    /// `rope(rms_norm(x))` per head (the q/k norms and their RoPE, one pass). With `heads`:
+    /// only those heads of x (which then holds more), the output has `heads.count`.
+    NormRope { eps: f32, scale: NormScale, theta: f32, factor: f32, rotary_pairs: usize, heads: Option<HeadRange> },
     /// `[x: f32[T, heads, D], pos: u32[T], cache: state[S, heads, D]] -> state`:
-    /// writes row `t` at slot `pos[t] % S`. The output is the cache itself.
-    KvWrite,
+    /// writes row `t` at slot `pos[t] % S`. The output is the cache itself. With `heads`:
+    /// only those heads of x (which then holds more).
+    KvWrite { heads: Option<HeadRange> },
     /// `[q: f32[T, nq, D], pos: u32[T], k: state[S, nkv, D], v: state[S, nkv, D]] -> f32[T, nq, D]`:
     /// query `t` attends to absolute positions `j <= pos[t]` (and `j > pos[t] - window`),
     /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`.
@@ -173,6 +176,29 @@ pub enum Op {
     Sample,
 }
 
+/// Heads `start..start + count` of a value with more heads (a fused q/k/v projection's output).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct HeadRange {
+    pub start: usize,
+    pub count: usize,
+}
+
+impl HeadRange {
+    /// `x: [T, H, D]` restricted to the range (`None`: all of it), or why it does not fit.
+    fn apply(range: Option<HeadRange>, x: &TensorType) -> Result<TensorType, String> {
+        let Some(r) = range else { return Ok(x.clone()) };
+        if x.shape.len() != 3 || r.count == 0 || r.start + r.count > x.shape[1] {
+            return Err(format!("heads {}..{} of {}", r.start, r.start + r.count, x.describe()));
+        }
+        Ok(TensorType::f32(&[x.shape[0], r.count, x.shape[2]]))
+    }
+
+    /// `heads=a..b` for dumps (empty without a range).
+    fn attr(range: Option<HeadRange>) -> String {
+        range.map_or(String::new(), |r| format!(" heads={}..{}", r.start, r.start + r.count))
+    }
+}
+
 /// Number of u32 words of the sampling parameters.
 pub const SAMPLE_PARAMS: usize = 8;
 
@@ -198,7 +224,7 @@ impl Op {
             Op::NormGeGlu { .. } => "norm_geglu",
             Op::Rope { .. } => "rope",
             Op::NormRope { .. } => "norm_rope",
-            Op::KvWrite => "kv_write",
+            Op::KvWrite { .. } => "kv_write",
             Op::Attention { .. } => "attention",
             Op::Binary { f: BinaryOp::Add } => "add",
             Op::Binary { f: BinaryOp::Mul } => "mul",
@@ -236,7 +262,7 @@ impl Op {
 
     /// Whether the op writes into the persistent state given as its last input.
     pub fn writes_state(&self) -> bool {
-        matches!(self, Op::KvWrite)
+        matches!(self, Op::KvWrite { .. })
     }
 
     /// Attributes as a short human-readable string (for dumps).
@@ -250,9 +276,10 @@ impl Op {
                 format!("eps={eps:e} scale={scale:?}")
             }
             Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
-            Op::NormRope { eps, scale, theta, factor, rotary_pairs } => {
-                format!("eps={eps:e} scale={scale:?} theta={theta} factor={factor} pairs={rotary_pairs}")
+            Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
+                format!("eps={eps:e} scale={scale:?} theta={theta} factor={factor} pairs={rotary_pairs}{}", HeadRange::attr(*heads))
             }
+            Op::KvWrite { heads } => HeadRange::attr(*heads).trim_start().to_string(),
             Op::Attention { scale, window } => match window {
                 Some(w) => format!("scale={scale} window={w}"),
                 None => format!("scale={scale} causal"),
@@ -365,17 +392,23 @@ impl Op {
             }
             Op::NormMatMul { scale, .. } => {
                 let has_w = *scale != NormScale::None;
-                need(if has_w { 3 } else { 2 })?;
+                let first_w = if has_w { 2 } else { 1 };
+                if inputs.len() <= first_w {
+                    return Err(err(format!("expects at least {} inputs, got {}", first_w + 1, inputs.len())));
+                }
                 let x = f32_in(0)?;
-                let w = inputs[inputs.len() - 1];
-                if w.shape.len() != 2 || x.shape.is_empty() || x.last() != w.shape[1] {
-                    return Err(err(format!("x {} vs w {}", x.describe(), w.describe())));
+                let mut n = 0;
+                for w in &inputs[first_w..] {
+                    if w.shape.len() != 2 || x.shape.is_empty() || x.last() != w.shape[1] {
+                        return Err(err(format!("x {} vs w {}", x.describe(), w.describe())));
+                    }
+                    n += w.shape[0];
                 }
                 if has_w && inputs[1].shape != [x.last()] {
                     return Err(err(format!("norm weight {} for x {}", inputs[1].describe(), x.describe())));
                 }
                 let mut s = x.shape.clone();
-                *s.last_mut().unwrap() = w.shape[0];
+                *s.last_mut().unwrap() = n;
                 Ok(TensorType::f32(&s))
             }
             Op::NormGeGlu { scale, .. } => {
@@ -408,11 +441,15 @@ impl Op {
                 if x.shape.len() != 3 || p.shape != [x.shape[0]] || x.shape[2] % 2 != 0 || *rotary_pairs > x.shape[2] / 2 {
                     return Err(err(format!("x {} pos {} pairs {rotary_pairs}", x.describe(), p.describe())));
                 }
-                Ok(x.clone())
+                let heads = match self {
+                    Op::NormRope { heads, .. } => *heads,
+                    _ => None,
+                };
+                HeadRange::apply(heads, x).map_err(err)
             }
-            Op::KvWrite => {
+            Op::KvWrite { heads } => {
                 need(3)?;
-                let x = f32_in(0)?;
+                let x = &HeadRange::apply(*heads, f32_in(0)?).map_err(err)?;
                 let p = u32_in(1)?;
                 let c = f32_in(2)?;
                 if x.shape.len() != 3 || c.shape.len() != 3 || x.shape[1..] != c.shape[1..] || p.shape != [x.shape[0]] {

@@ -134,7 +134,7 @@ fn random_graph(choices: &[(u8, usize, usize, usize)], width: usize) -> Graph {
             7 if !wrote_cache => {
                 wrote_cache = true;
                 let v = g.op(&format!("{name}.v"), layer, Op::Reshape { shape: vec![t, 1, width] }, &[x]).unwrap();
-                let kc = g.op(&format!("{name}.kw"), layer, Op::KvWrite, &[v, pos, cache]).unwrap();
+                let kc = g.op(&format!("{name}.kw"), layer, Op::KvWrite { heads: None }, &[v, pos, cache]).unwrap();
                 let q = g.op(&format!("{name}.q"), layer, Op::Reshape { shape: vec![t, 1, width] }, &[y]).unwrap();
                 let a = g.op(&format!("{name}.att"), layer, Op::Attention { scale: 1.0, window: None }, &[q, pos, kc, kc]).unwrap();
                 g.op(&name, layer, Op::Reshape { shape: vec![t, width] }, &[a])

@@ -211,9 +211,20 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     Op::NormMatMul { eps, scale } => {
                         let k = g.node(ins[0]).ty.last();
                         let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
-                        let wi = ins[ins.len() - 1];
-                        let wt = weight_or_value(g, w, &vals, wi)?;
-                        ops::matmul(&xn, &wt, k, g.node(wi).ty.shape[0], &mut out);
+                        let first_w = op.norm_weight_input().map_or(1, |i| i + 1);
+                        // each weight's columns side by side
+                        let (rows, ncat) = (xn.len() / k.max(1), node.ty.last());
+                        let mut col = 0;
+                        for &wi in &ins[first_w..] {
+                            let wt = weight_or_value(g, w, &vals, wi)?;
+                            let nw = g.node(wi).ty.shape[0];
+                            let mut part = vec![0f32; rows * nw];
+                            ops::matmul(&xn, &wt, k, nw, &mut part);
+                            for r in 0..rows {
+                                out[r * ncat + col..r * ncat + col + nw].copy_from_slice(&part[r * nw..(r + 1) * nw]);
+                            }
+                            col += nw;
+                        }
                         Val::F(Rc::new(out))
                     }
                     Op::Rope { theta, factor, rotary_pairs } => {
@@ -223,20 +234,22 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::rope(x.f(), p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
                         Val::F(Rc::new(out))
                     }
-                    Op::NormRope { eps, scale, theta, factor, rotary_pairs } => {
+                    Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
                         let p = get(&vals, ins[1]);
                         let s = &node.ty.shape;
                         let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
+                        let xn = ops::head_range(&xn, &g.node(ins[0]).ty.shape, *heads);
                         ops::rope(&xn, p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
                         Val::F(Rc::new(out))
                     }
-                    Op::KvWrite => {
-                        let x = get(&vals, ins[0]);
+                    Op::KvWrite { heads } => {
+                        let xv = get(&vals, ins[0]);
+                        let x = ops::head_range(xv.f(), &g.node(ins[0]).ty.shape, *heads);
                         let p = get(&vals, ins[1]);
                         let key = state_key(g, ins[2]);
                         let row = node.ty.shape[1] * node.ty.shape[2];
                         let cache = state.caches.get_mut(&key).ok_or("state missing")?;
-                        ops::kv_write(x.f(), p.u(), row, cache);
+                        ops::kv_write(&x, p.u(), row, cache);
                         // The value is the cache; readers fetch it from the state.
                         Val::F(Rc::new(vec![]))
                     }

@@ -1,7 +1,7 @@
 //! The CPU lowering of every op: plain f32 math on slices. It is the oracle
 //! for the WGSL kernels and the body of the CPU reference executor.
 
-use markbase_graph::ops::{BinaryOp, NormScale, UnaryOp};
+use markbase_graph::ops::{BinaryOp, HeadRange, NormScale, UnaryOp};
 
 /// GELU, tanh approximation, with the tanh argument clamped (see the numerics notes).
 pub fn gelu(x: f32) -> f32 {
@@ -79,6 +79,17 @@ pub fn rope(x: &[f32], pos: &[u32], heads: usize, d: usize, theta: f32, factor: 
 }
 
 /// Writes rows of `x[T, row]` into `cache[S, row]` at slots `pos % S`.
+/// Heads `r.start..r.start + r.count` of `x: [T, H, D]` (`shape`), or all of x without a range.
+pub fn head_range<'a>(x: &'a [f32], shape: &[usize], r: Option<HeadRange>) -> std::borrow::Cow<'a, [f32]> {
+    let Some(r) = r else { return std::borrow::Cow::Borrowed(x) };
+    let (h, d) = (shape[1], shape[2]);
+    let mut out = Vec::with_capacity(shape[0] * r.count * d);
+    for t in 0..shape[0] {
+        out.extend_from_slice(&x[(t * h + r.start) * d..(t * h + r.start + r.count) * d]);
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 pub fn kv_write(x: &[f32], pos: &[u32], row: usize, cache: &mut [f32]) {
     let slots = cache.len() / row;
     for (t, &p) in pos.iter().enumerate() {

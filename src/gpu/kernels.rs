@@ -54,11 +54,22 @@ const ATTN_WG: u32 = 128;
 const ELEM_WG: u32 = 256;
 const NORM_WG: u32 = 256;
 
-/// weights.wgsl for a second weight (dual GEMV): its bindings 8..11 moved to 12..15 and every
-/// binding and function name suffixed `_u`; the shared structs are left out.
+/// weights.wgsl for a second weight (dual and concatenating GEMVs): its bindings 8..11 moved to
+/// 12..15 and every binding and function name suffixed `_u`; the shared structs are left out.
 fn weights_second() -> &'static str {
     static S: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    S.get_or_init(|| {
+    S.get_or_init(|| weights_renamed("_u", 4))
+}
+
+/// weights.wgsl for a third weight (concatenating GEMV): bindings 16..19, names suffixed `_v`.
+fn weights_third() -> &'static str {
+    static S: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    S.get_or_init(|| weights_renamed("_v", 8))
+}
+
+/// weights.wgsl with its bindings moved by `shift` and its names suffixed, structs left out.
+fn weights_renamed(suffix: &str, shift: u32) -> String {
+    {
         const NAMES: [&str; 19] = [
             "wq", "wsc", "wbi", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
             "oct_codes", "blk_codes", "wf4", "bf16x4", "dq_blk", "dq_oct",
@@ -75,14 +86,14 @@ fn weights_second() -> &'static str {
             }
             let mut l = line.to_string();
             for b in 8..12 {
-                l = l.replace(&format!("@binding({b})"), &format!("@binding({})", b + 4));
+                l = l.replace(&format!("@binding({b})"), &format!("@binding({})", b + shift));
             }
             // rename whole identifiers
             let mut r = String::with_capacity(l.len() + 8);
             let mut word = String::new();
             let flush = |word: &mut String, r: &mut String| {
                 if NAMES.contains(&word.as_str()) {
-                    word.push_str("_u");
+                    word.push_str(suffix);
                 }
                 r.push_str(word);
                 word.clear();
@@ -100,7 +111,7 @@ fn weights_second() -> &'static str {
             out.push('\n');
         }
         out
-    })
+    }
 }
 const MOE_GROUP_WG: u32 = 256;
 
@@ -122,6 +133,9 @@ pub enum KernelSpec {
     /// `dual`: two weights (gate and up) whose rows combine as `gelu(gate) * up` (`tt == 1`,
     /// not gathered, not `bp2`).
     Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>>, dual: bool },
+    /// One token, a fused norm (weight dtype `norm`) and `n` (2 or 3) weights of one format
+    /// whose outputs lie side by side (`Op::NormMatMul` over q, k and v).
+    GemvCat { fmt: GpuFormat, wg: u32, rows: u32, xvec: bool, norm: Option<FloatType>, n: u32 },
     Gemm { fmt: GpuFormat },
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
@@ -184,7 +198,7 @@ fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Sou
 impl KernelSpec {
     /// Whether the spec has a subgroup variant (the others ignore the choice).
     pub fn uses_subgroups(&self) -> bool {
-        matches!(self, KernelSpec::Gemv { .. } | KernelSpec::RmsNorm { .. } | KernelSpec::Attention { .. })
+        matches!(self, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. } | KernelSpec::RmsNorm { .. } | KernelSpec::Attention { .. })
     }
 
     pub fn name(&self) -> String {
@@ -199,6 +213,12 @@ impl KernelSpec {
                 },
                 if *bp2 { " bp2" } else { "" },
                 if *gather { " gather" } else { "" },
+                if *xvec { "" } else { " masked" }
+            ),
+            KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n } => format!(
+                "gemv[{} wg{wg} r{rows} t1 cat{n} norm[{}]{}]",
+                fmt.describe(),
+                norm.map_or("none", |t| t.name()),
                 if *xvec { "" } else { " masked" }
             ),
             KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
@@ -245,6 +265,28 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", tt == 1)
                     .flag("BP2", bp2 && tt == 1);
+                weight_source(s, fmt, true, xvec)
+            }
+            KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n } => {
+                let files: &[&'static str] =
+                    if n == 3 { &[COMMON, WEIGHTS, weights_second(), weights_third(), GEMV] } else { &[COMMON, WEIGHTS, weights_second(), GEMV] };
+                let s = Source::new(files)
+                    .c("RS", rows)
+                    .flag("DUAL", false)
+                    .c("NDT", norm.map_or(2, dt_code))
+                    .flag("PRENORM", true)
+                    .flag("HAS_NW", norm.is_some())
+                    .c("WG", wg)
+                    .c("R", rows)
+                    .c("TT", 1)
+                    .c("RED_N", rows * wg)
+                    .flag("SUBGROUP", sg)
+                    .flag("GATHER", false)
+                    .flag("XVEC", xvec)
+                    .flag("TT1", true)
+                    .flag("BP2", false)
+                    .flag("CAT", true)
+                    .flag("CAT3", n == 3);
                 weight_source(s, fmt, true, xvec)
             }
             KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false),
@@ -307,6 +349,11 @@ impl KernelSpec {
                             v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false });
                             if !bp2 {
                                 v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true });
+                                if !fmt.has_global() {
+                                    for n in [2, 3] {
+                                        v.push(KernelSpec::GemvCat { fmt, wg: 128, rows: 4, xvec, norm: norm.flatten(), n });
+                                    }
+                                }
                             }
                         }
                     }
@@ -576,6 +623,25 @@ impl Kernels {
         self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true })
     }
 
+    /// `Op::NormMatMul` over several weights in one dispatch, when they allow it: two or three,
+    /// of one format without a global scale, one row length and one chunk each. `None`: run
+    /// them one by one.
+    pub fn norm_matmul_cat(&self, ws: &[&GpuWeight], norm: Option<FloatType>) -> Result<Option<MatMulKernel>, GpuError> {
+        let w0 = ws[0];
+        let alike = ws.iter().all(|w| w.format == w0.format && w.k == w0.k && w.chunks.len() == 1);
+        if !(2..=3).contains(&ws.len()) || !alike || w0.format.has_global() {
+            return Ok(None);
+        }
+        let m = self.matmul_with(w0.format, w0.k, 1, false, Some(norm))?;
+        let KernelSpec::Gemv { fmt, wg, rows, xvec, .. } = m.spec else {
+            return Ok(None);
+        };
+        // half the rows of a plain GEMV per workgroup (like the dual GEMV): each row group is
+        // unrolled once per weight
+        let rows = (rows / 2).max(1);
+        Ok(Some(self.matmul_spec(KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n: ws.len() as u32 })?))
+    }
+
     fn matmul_with(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>) -> Result<MatMulKernel, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
         if norm.is_some() && (t != 1 || gather) {
@@ -605,7 +671,7 @@ impl Kernels {
 
     /// A matmul launcher for an explicit `Gemv`/`Gemm`/`GroupedGemm` spec (tests, tuning).
     pub fn matmul_spec(&self, spec: KernelSpec) -> Result<MatMulKernel, GpuError> {
-        if !matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. }) {
+        if !matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. }) {
             return Err(GpuError::Kernel { name: spec.name(), msg: "not a matmul spec".into() });
         }
         Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
@@ -710,6 +776,10 @@ pub struct MatMulParams {
     /// Fused norm (`Gemv` with `norm`): 0 no weight, 1 `w`, 2 `1 + w`; and its epsilon.
     pub norm_mode: u32,
     pub norm_eps: f32,
+    /// Rows of the second and third weight (`GemvCat`).
+    pub rows2: u32,
+    pub rows3: u32,
+    pub _pad: [u32; 2],
 }
 
 /// Shape of one matmul dispatch (one weight chunk).
@@ -727,6 +797,8 @@ pub struct MatMulDims {
     pub gather: Option<GatherDims>,
     /// Fused RMSNorm of x (`Op::NormMatMul`): its scale convention and epsilon.
     pub norm: Option<(NormScale, f32)>,
+    /// Rows of the second and third weight whose outputs follow (`GemvCat`; 0 without).
+    pub cat: [usize; 2],
 }
 
 /// Gathered-matmul extras.
@@ -747,7 +819,13 @@ impl MatMulDims {
     /// Dims of chunk `c` of `w` for `t` tokens (plain matmul).
     pub fn plain(w: &GpuWeight, c: usize, t: usize) -> Self {
         let ch = &w.chunks[c];
-        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None, norm: None }
+        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None, norm: None, cat: [0; 2] }
+    }
+    /// Dims of one token through 2 or 3 single-chunk weights side by side (`GemvCat`).
+    pub fn cat(ws: &[&GpuWeight]) -> Self {
+        let rows = |i: usize| ws.get(i).map_or(0, |w| w.rows);
+        let ldy = ws.iter().map(|w| w.rows).sum();
+        MatMulDims { t: 1, k: ws[0].k, rows: rows(0), row_start: 0, ldy, gather: None, norm: None, cat: [rows(1), rows(2)] }
     }
     /// With a fused norm in front.
     pub fn with_norm(self, scale: NormScale, eps: f32) -> Self {
@@ -764,6 +842,7 @@ impl MatMulDims {
             ldy: w.rows_per_expert,
             gather: Some(GatherDims { s, e_start, e_count, x_bcast, experts: w.experts }),
             norm: None,
+            cat: [0; 2],
         }
     }
 }
@@ -779,7 +858,7 @@ pub struct MatMulKernel {
 
 impl MatMulKernel {
     pub fn is_gemv(&self) -> bool {
-        matches!(self.spec, KernelSpec::Gemv { .. })
+        matches!(self.spec, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. })
     }
 
     pub fn params(&self, d: &MatMulDims) -> MatMulParams {
@@ -797,6 +876,9 @@ impl MatMulKernel {
             experts: g.experts as u32,
             norm_mode: d.norm.map_or(0, |(s, _)| norm_mode(s)),
             norm_eps: d.norm.map_or(0.0, |(_, e)| e),
+            rows2: d.cat[0] as u32,
+            rows3: d.cat[1] as u32,
+            _pad: [0; 2],
         }
     }
 
@@ -806,6 +888,10 @@ impl MatMulKernel {
             KernelSpec::Gemv { rows, tt, gather, .. } => {
                 let ty = if gather { d.t } else { div_ceil(d.t, tt as usize) };
                 [div_ceil(d.rows, rows as usize).min(m) as u32, ty.min(m) as u32, 1]
+            }
+            KernelSpec::GemvCat { rows, .. } => {
+                let g: usize = [d.rows, d.cat[0], d.cat[1]].iter().map(|&r| div_ceil(r, rows as usize)).sum();
+                [g.min(m) as u32, 1, 1]
             }
             KernelSpec::GroupedGemm { .. } => {
                 // a slot per possible tile: each expert's last tile may be partial
@@ -870,6 +956,27 @@ impl MatMulKernel {
         c: usize,
     ) -> wgpu::BindGroup {
         self.bind(device, params, x, y, nw.map(|b| (4, b)), w, Some(wu), c)
+    }
+
+    /// Bind group for the single-chunk weights `ws` (at 8.., 12.., 16..) behind a fused norm with
+    /// weight `nw` (`GemvCat`).
+    pub fn bind_group_cat(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+        ws: &[&GpuWeight],
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        if let Some(b) = nw {
+            res.push((4, b.as_entire_binding()));
+        }
+        for (i, w) in ws.iter().enumerate() {
+            res.extend(w.bindings(0).into_iter().map(|(b, r)| (b + 4 * i as u32, r)));
+        }
+        self.kernel.bind_group(device, &res)
     }
 
     /// Bind group for chunk `c` of `w` behind a fused norm with weight `nw`.
@@ -1014,7 +1121,9 @@ pub struct RopeParams {
     /// Norm in front (norm kernels): 0 no weight, 1 `w`, 2 `1 + w`; and its epsilon.
     pub norm_mode: u32,
     pub norm_eps: f32,
-    pub _pad: [u32; 2],
+    /// Heads of a row of x, and the first one read (a head range of a wider value).
+    pub x_heads: u32,
+    pub head0: u32,
     pub tab: [[u32; 4]; 128],
 }
 
@@ -1025,6 +1134,10 @@ impl RopeParams {
             Some((s, eps)) => RopeParams { norm_mode: norm_mode(s), norm_eps: eps, ..self },
             None => self,
         }
+    }
+    /// Reading heads `head0..head0 + heads` of an x with `x_heads` heads per row.
+    pub fn with_heads(self, x_heads: usize, head0: usize) -> Self {
+        RopeParams { x_heads: x_heads as u32, head0: head0 as u32, ..self }
     }
 }
 
@@ -1058,7 +1171,7 @@ impl RopeKernel {
             tab[i / 2][(i % 2) * 2] = f as u32;
             tab[i / 2][(i % 2) * 2 + 1] = (f >> 32) as u32;
         }
-        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, _pad: [0; 2], tab }
+        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, x_heads: heads as u32, head0: 0, tab }
     }
     pub fn groups(&self, t: usize, heads: usize, d: usize) -> [u32; 3] {
         if self.norm {
@@ -1095,7 +1208,10 @@ pub struct KvWriteParams {
     pub t: u32,
     pub row: u32,
     pub slots: u32,
-    pub _pad: u32,
+    /// Row stride of x and the offset of the first element written (a head range of a wider value).
+    pub x_ld: u32,
+    pub x_off: u32,
+    pub _pad: [u32; 3],
 }
 
 /// KV write. Bindings: 0 params, 1 x `[T, nkv, D]`, 2 pos, 3 cache `[S, nkv, D]` (written).
@@ -1106,7 +1222,11 @@ pub struct KvWriteKernel {
 
 impl KvWriteKernel {
     pub fn params(&self, t: usize, row: usize, slots: usize) -> KvWriteParams {
-        KvWriteParams { t: t as u32, row: row as u32, slots: slots as u32, _pad: 0 }
+        KvWriteParams { t: t as u32, row: row as u32, slots: slots as u32, x_ld: row as u32, x_off: 0, _pad: [0; 3] }
+    }
+    /// Reading `row` elements from `x_off` of x rows of `x_ld`.
+    pub fn params_strided(&self, t: usize, row: usize, slots: usize, x_ld: usize, x_off: usize) -> KvWriteParams {
+        KvWriteParams { x_ld: x_ld as u32, x_off: x_off as u32, ..self.params(t, row, slots) }
     }
     pub fn groups(&self, t: usize, row: usize) -> [u32; 3] {
         grid(div_ceil(t * row, ELEM_WG as usize) as u64, self.maxg)

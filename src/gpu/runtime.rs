@@ -333,22 +333,42 @@ impl GpuExecutor {
                         }
                     }
                     Op::NormMatMul { eps, scale } => {
-                        let wi = ins.len() - 1;
-                        let w = mat(wi)?;
+                        let first_w = op.norm_weight_input().map_or(1, |i| i + 1);
+                        let ws = (first_w..ins.len()).map(&mat).collect::<Result<Vec<_>, _>>()?;
                         let rows = g.node(ins[0]).ty.rows();
                         let nw = norm_w()?;
                         if rows != 1 {
                             return Err(format!("node %{} {}: a fused norm runs on one token, not {rows}", node.id, node.name));
                         }
-                        let k = self.kernels.norm_matmul(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
-                        for ci in 0..w.chunks.len() {
-                            let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
+                        let ldy = node.ty.last();
+                        let cat = if ws.len() > 1 { self.kernels.norm_matmul_cat(&ws, nw.map(|v| v.1)).map_err(kerr)? } else { None };
+                        if let Some(k) = cat {
+                            // every weight in one dispatch
+                            let d = MatMulDims::cat(&ws).with_norm(*scale, *eps);
                             let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = k.bind_group_norm(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), w, ci);
+                            let bg = k.bind_group_cat(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), &ws);
                             push(k.kernel.clone(), bg, k.groups(&d));
+                        } else {
+                            // weight by weight, chunk by chunk, each into its columns
+                            let mut col = 0;
+                            for w in &ws {
+                                let k = self.kernels.norm_matmul(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
+                                for ci in 0..w.chunks.len() {
+                                    let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
+                                    let d = MatMulDims { row_start: col + d.row_start, ldy, ..d };
+                                    let p = uni(bytemuck::bytes_of(&k.params(&d)));
+                                    let bg = k.bind_group_norm(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), w, ci);
+                                    push(k.kernel.clone(), bg, k.groups(&d));
+                                }
+                                col += w.rows;
+                            }
                         }
                     }
                     Op::Rope { theta, factor, rotary_pairs } | Op::NormRope { theta, factor, rotary_pairs, .. } => {
+                        let (x_heads, head0) = match op {
+                            Op::NormRope { heads: Some(r), .. } => (shape_of(0)[1], r.start),
+                            _ => (node.ty.shape[1], 0),
+                        };
                         let s = &node.ty.shape;
                         if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
                             return Err(format!(
@@ -365,16 +385,19 @@ impl GpuExecutor {
                         };
                         let wv = norm_w()?;
                         let k = self.kernels.rope(norm.map(|_| wv.map(|v| v.1))).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs).with_norm(norm)));
+                        let p = uni(bytemuck::bytes_of(
+                            &k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs).with_norm(norm).with_heads(x_heads, head0),
+                        ));
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, wv.map(|v| &v.0));
                         push(k.kernel.clone(), bg, k.groups(s[0], s[1], s[2]));
                     }
-                    Op::KvWrite => {
+                    Op::KvWrite { heads } => {
                         let xs = shape_of(0);
                         let slots = node.ty.shape[0];
-                        let row = xs[1] * xs[2];
+                        let row = node.ty.shape[1] * node.ty.shape[2];
+                        let x_off = heads.map_or(0, |r| r.start * xs[2]);
                         let k = self.kernels.kv_write().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(xs[0], row, slots)));
+                        let p = uni(bytemuck::bytes_of(&k.params_strided(xs[0], row, slots, xs[1] * xs[2], x_off)));
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
                         push(k.kernel.clone(), bg, k.groups(xs[0], row));
                     }
