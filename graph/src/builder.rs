@@ -214,26 +214,34 @@ impl<'a> B<'a> {
         }
     }
 
-    /// The q, k and v projections of layer `i` as `[T, heads, D]` values, each with the heads
-    /// it takes from them. A fused pre-norm (one token): one `NormMatMul` over the three
-    /// weights, read by head range; otherwise three matmuls.
-    fn qkv(&mut self, i: usize, xn: Normed, (nq, nkv, d): (usize, usize, usize)) -> Result<[(NodeIndex, Option<HeadRange>); 3], BuildError> {
+    /// Attention projections of layer `i` (`(name, heads)`: `q_proj`, `k_proj`, `v_proj`) as
+    /// `[T, heads, D]` values, each with the heads it takes from them. A fused pre-norm (one
+    /// token) and several projections: one `NormMatMul` over their weights, read by head
+    /// range; otherwise a matmul each.
+    fn projections(&mut self, i: usize, xn: Normed, d: usize, projs: &[(&str, usize)]) -> Result<Vec<(NodeIndex, Option<HeadRange>)>, BuildError> {
         let l = Some(i);
         let t = self.g.tokens;
-        let names = [("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)];
-        if let Normed::Fused { x, w, scale } = xn {
+        if let (Normed::Fused { x, w, scale }, true) = (xn, projs.len() > 1) {
             let h = self.g.node(x).ty.last();
-            let ws: Vec<NodeIndex> = names.iter().map(|(n, heads)| self.w(&format!("layers.{i}.self_attn.{n}"), l, &[heads * d, h], true)).collect();
+            let ws: Vec<NodeIndex> = projs.iter().map(|(n, heads)| self.w(&format!("layers.{i}.self_attn.{n}"), l, &[heads * d, h], true)).collect();
             let ins: Vec<NodeIndex> = std::iter::once(x).chain(w).chain(ws).collect();
-            let qkv = self.op("qkv_proj", l, Op::NormMatMul { eps: self.eps, scale }, &ins)?;
-            let qkv = self.reshape("qkv_heads", l, qkv, &[t, nq + 2 * nkv, d])?;
-            let r = |start, count| Some(HeadRange { start, count });
-            return Ok([(qkv, r(0, nq)), (qkv, r(nq, nkv)), (qkv, r(nq + nkv, nkv))]);
+            let tag: String = projs.iter().map(|(n, _)| &n[..1]).collect();
+            let cat = self.op(&format!("{tag}_proj"), l, Op::NormMatMul { eps: self.eps, scale }, &ins)?;
+            let total = projs.iter().map(|p| p.1).sum();
+            let cat = self.reshape(&format!("{tag}_heads"), l, cat, &[t, total, d])?;
+            let mut start = 0;
+            return Ok(projs
+                .iter()
+                .map(|&(_, count)| {
+                    start += count;
+                    (cat, Some(HeadRange { start: start - count, count }))
+                })
+                .collect());
         }
-        let mut out = [(NodeIndex::new(0), None); 3];
-        for (o, (n, heads)) in out.iter_mut().zip(names) {
+        let mut out = vec![];
+        for &(n, heads) in projs {
             let v = self.linear_n(n, l, xn, &format!("layers.{i}.self_attn.{n}"), heads * d)?;
-            o.0 = self.reshape(&format!("{}_heads", &n[..1]), l, v, &[t, heads, d])?;
+            out.push((self.reshape(&format!("{}_heads", &n[..1]), l, v, &[t, heads, d])?, None));
         }
         Ok(out)
     }
@@ -353,7 +361,8 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let nkv = cfg.layer_kv_heads(i);
         let lt = cfg.layer_types[i];
         let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
-        let [q, k, v] = b.qkv(i, xn, (nq, nkv, d))?;
+        let pr = b.projections(i, xn, d, &[("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)])?;
+        let (q, k, v) = (pr[0], pr[1], pr[2]);
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
         let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
@@ -460,23 +469,33 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let d = cfg.layer_head_dim(i);
         let nkv = cfg.layer_kv_heads(i);
         let xn = b.prenorm("input_norm", l, x, Some(&p("input_layernorm.weight")), conv)?;
-        let q = b.linear_n("q_proj", l, xn, &p("self_attn.q_proj"), nq * d)?;
-        let q = b.reshape("q_heads", l, q, &[t, nq, d])?;
+        // q; k and v unless the layer reads another's cache; v is k's projection on full
+        // layers with attention_k_eq_v
+        let own_kv = i < first_shared;
+        let k_eq_v = full && cfg.attention_k_eq_v;
+        let mut projs = vec![("q_proj", nq)];
+        if own_kv {
+            projs.push(("k_proj", nkv));
+            if !k_eq_v {
+                projs.push(("v_proj", nkv));
+            }
+        }
+        let pr = b.projections(i, xn, d, &projs)?;
         let rope = cfg.layer_rope(i).clone();
         let pairs = if rope.partial < 1.0 { ((d as f64 * rope.partial) as usize) / 2 } else { d / 2 };
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: pairs };
-        let q = b.norm_rope("q_norm_rope", l, (q, None), &p("self_attn.q_norm.weight"), conv, &rop)?;
-        let (kc, vc) = if i < first_shared {
-            let k = b.linear_n("k_proj", l, xn, &p("self_attn.k_proj"), nkv * d)?;
-            let k = b.reshape("k_heads", l, k, &[t, nkv, d])?;
-            let v = if full && cfg.attention_k_eq_v {
-                k
-            } else {
-                let v = b.linear_n("v_proj", l, xn, &p("self_attn.v_proj"), nkv * d)?;
-                b.reshape("v_heads", l, v, &[t, nkv, d])?
+        let q = b.norm_rope("q_norm_rope", l, pr[0], &p("self_attn.q_norm.weight"), conv, &rop)?;
+        let (kc, vc) = if own_kv {
+            let v = if k_eq_v { pr[1] } else { pr[2] };
+            let k = b.norm_rope("k_norm_rope", l, pr[1], &p("self_attn.k_norm.weight"), conv, &rop)?;
+            let v = match v {
+                // a weightless norm of a head range: a norm-rope without pairs
+                (v, Some(heads)) => {
+                    let op = Op::NormRope { eps: b.eps, scale: NormScale::None, theta: rope.theta as f32, factor: 1.0, rotary_pairs: 0, heads: Some(heads) };
+                    b.op("v_norm", l, op, &[v, b.pos])?
+                }
+                (v, None) => b.norm("v_norm", l, v, None, NormScale::None)?,
             };
-            let k = b.norm_rope("k_norm_rope", l, (k, None), &p("self_attn.k_norm.weight"), conv, &rop)?;
-            let v = b.norm("v_norm", l, v, None, NormScale::None)?;
             let kv = kv_write(&mut b, i, k, (v, None), cache_slots(cfg, lt, o))?;
             caches[i] = Some(kv);
             kv
