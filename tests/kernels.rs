@@ -13,7 +13,7 @@ use markbase::gpu::device::Gpu;
 use markbase::gpu::kernels::*;
 use markbase::gpu::weights::{upload_weight, GpuFormat, GpuWeight};
 use markbase::graph::ir::WeightParam;
-use markbase::graph::ops::{BinaryOp, NormScale, UnaryOp};
+use markbase::graph::ops::{BinaryOp, HeadRange, NormScale, UnaryOp};
 use markbase::graph::quant::{FloatType, QuantMode, QuantSpec, WeightFormat};
 use markbase::weights::{RawDType, RawTensor, WeightData};
 use rand::rngs::StdRng;
@@ -684,6 +684,32 @@ fn rope_matches_cpu_up_to_32k() {
                     1e-5,
                     1e-6,
                 );
+                // normed heads 1..3 written to the slots of a cache (k's norm, RoPE and write)
+                if let Some((scale, nt)) = norm {
+                    let (h0, hc, slots) = (1usize, 2usize, 8usize);
+                    let cpos: Vec<u32> = (0..t as u32).map(|i| 32760 + i).collect();
+                    let sel = cpu::head_range(&xin, &[t, heads, d], Some(HeadRange { start: h0, count: hc }));
+                    let mut rows = vec![0f32; sel.len()];
+                    cpu::rope(&sel, &cpos, hc, d, theta, factor, pairs, &mut rows);
+                    let mut want_c = vec![0f32; slots * hc * d];
+                    cpu::kv_write(&rows, &cpos, hc * d, &mut want_c);
+                    let k = ks.rope_to_cache(nt).unwrap();
+                    let p = gpu.uniform(
+                        "p",
+                        &k.params(t, hc, d, theta, factor, pairs).with_norm(Some((scale, 1e-6))).with_heads(heads, h0).with_slots(slots),
+                    );
+                    let cache = gpu.upload_f32("cache", &vec![0f32; slots * hc * d]);
+                    let cpb = gpu.upload_u32("pos", &cpos);
+                    let bg = k.bind_group(&gpu.device, &p, &xb, &cpb, &cache, nwb.as_ref());
+                    run(gpu, |pass| k.dispatch(pass, &bg, t, hc, d));
+                    check_tol(
+                        &format!("norm_rope to cache d={d} pairs={pairs} norm={scale:?} [{label}]"),
+                        &gpu.read_f32(&cache, want_c.len()).unwrap(),
+                        &want_c,
+                        1e-5,
+                        1e-6,
+                    );
+                }
             }
         }
     }

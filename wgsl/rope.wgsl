@@ -7,9 +7,10 @@
 // sin/cos then use polynomials on [-pi/4, pi/4]. Accurate to ~2e-7 for any u32 position.
 //
 // NORM: x is first RMS-normed per head row (one workgroup per row): the q/k norms and
-// their RoPE in one pass.
+// their RoPE in one pass. CACHE (with NORM): out is a KV cache [S, heads, D]; row (t, h)
+// goes to slot pos[t] % S (k's norm, RoPE and cache write in one pass).
 //
-// Prelude consts: WG, NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32). Flags: NORM, HAS_NW.
+// Prelude consts: WG, NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32). Flags: NORM, HAS_NW, CACHE.
 // Bindings: 0 params, 1 x, 2 pos (u32 [T]), 3 out, 4 norm weight (HAS_NW).
 
 struct Params {
@@ -21,6 +22,10 @@ struct Params {
     norm_eps: f32,
     x_heads: u32,    // heads of a row of x
     head0: u32,      // first head of x read
+    S: u32,          // CACHE: slots
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
     // pair 2j: (lo, hi) = tab[j].xy, pair 2j+1: tab[j].zw
     tab: array<vec4<u32>, 128>,
 }
@@ -97,7 +102,12 @@ fn main(
     init_ids(lid, 0u, 0u, 1u);
     let half = p.D / 2u;
     for (var row = wid.y * nwg.x + wid.x; row < p.T * p.heads; row += nwg.x * nwg.y) {
+        let ps = pos[row / p.heads];
+//#if CACHE
+        let b = ((ps % p.S) * p.heads + row % p.heads) * p.D;
+//#else
         let b = row * p.D;
+//#endif
         let bx = x_row(row) * p.D;
         var ss = 0.0;
         for (var i = lid; i < p.D; i += WG) {
@@ -105,7 +115,6 @@ fn main(
             ss = fma(v, v, ss);
         }
         let r = 1.0 / sqrt(wg_sum(ss) / f32(p.D) + p.norm_eps);
-        let ps = pos[row / p.heads];
         for (var i = lid; i < half; i += WG) {
             rotate(b, i, half, ps, x[bx + i] * r * norm_scale(i), x[bx + i + half] * r * norm_scale(i + half));
         }

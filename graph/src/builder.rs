@@ -366,8 +366,7 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
         let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
-        let k = b.norm_rope("k_norm_rope", l, k, &p("self_attn.k_norm.weight"), conv, &rop)?;
-        let (kc, vc) = kv_write(&mut b, i, k, v, cache_slots(cfg, lt, o))?;
+        let (kc, vc) = kv_write(&mut b, i, k, &p("self_attn.k_norm.weight"), conv, &rop, v, cache_slots(cfg, lt, o))?;
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
         let inter = cfg.layer_intermediate(i);
@@ -377,15 +376,37 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
     head(b, x, emb, conv, o)
 }
 
-/// Writes K and V of layer `i` into its caches (V: the heads of its value when given); returns
-/// the cache values.
-fn kv_write(b: &mut B, i: usize, k: NodeIndex, (v, v_heads): (NodeIndex, Option<HeadRange>), slots: usize) -> Result<(NodeIndex, NodeIndex), BuildError> {
+/// The attention inputs of layer `i` written into its caches: K after its norm (weight `k_norm`)
+/// and RoPE, V as it is, each from the heads of its value when given; returns the cache
+/// values. One-token graphs norm, rotate and write K in one op.
+#[allow(clippy::too_many_arguments)]
+fn kv_write(
+    b: &mut B,
+    i: usize,
+    (k, k_heads): (NodeIndex, Option<HeadRange>),
+    k_norm: &str,
+    conv: NormScale,
+    rope: &Op,
+    (v, v_heads): (NodeIndex, Option<HeadRange>),
+    slots: usize,
+) -> Result<(NodeIndex, NodeIndex), BuildError> {
     let l = Some(i);
-    let kt = b.g.node(k).ty.shape.clone();
-    let cache_ty = TensorType::f32(&[slots, kt[1], kt[2]]);
+    let vt = b.g.node(v).ty.shape.clone();
+    let (nkv, d) = (v_heads.map_or(vt[1], |r| r.count), vt[2]);
+    let cache_ty = TensorType::f32(&[slots, nkv, d]);
     let ks = b.g.state(&format!("l{i}.k_cache"), l, StateKind::KvCache { layer: i, value: false }, cache_ty.clone());
     let vs = b.g.state(&format!("l{i}.v_cache"), l, StateKind::KvCache { layer: i, value: true }, cache_ty);
-    let kc = b.op("k_write", l, Op::KvWrite { heads: None }, &[k, b.pos, ks])?;
+    let kc = if b.fuse_prenorm {
+        let Op::Rope { theta, factor, rotary_pairs } = *rope else {
+            return Err(BuildError::Config(format!("layer {i}: not a rope op: {rope:?}")));
+        };
+        let wn = b.w(k_norm, l, &[d], false);
+        let op = Op::KvWriteNormRope { eps: b.eps, scale: conv, theta, factor, rotary_pairs, heads: k_heads };
+        b.op("k_norm_rope_write", l, op, &[k, b.pos, wn, ks])?
+    } else {
+        let k = b.norm_rope("k_norm_rope", l, (k, k_heads), k_norm, conv, rope)?;
+        b.op("k_write", l, Op::KvWrite { heads: None }, &[k, b.pos, ks])?
+    };
     let vc = b.op("v_write", l, Op::KvWrite { heads: v_heads }, &[v, b.pos, vs])?;
     Ok((kc, vc))
 }
@@ -487,7 +508,6 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let q = b.norm_rope("q_norm_rope", l, pr[0], &p("self_attn.q_norm.weight"), conv, &rop)?;
         let (kc, vc) = if own_kv {
             let v = if k_eq_v { pr[1] } else { pr[2] };
-            let k = b.norm_rope("k_norm_rope", l, pr[1], &p("self_attn.k_norm.weight"), conv, &rop)?;
             let v = match v {
                 // a weightless norm of a head range: a norm-rope without pairs
                 (v, Some(heads)) => {
@@ -496,7 +516,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
                 }
                 (v, None) => b.norm("v_norm", l, v, None, NormScale::None)?,
             };
-            let kv = kv_write(&mut b, i, k, (v, None), cache_slots(cfg, lt, o))?;
+            let kv = kv_write(&mut b, i, pr[1], &p("self_attn.k_norm.weight"), conv, &rop, (v, None), cache_slots(cfg, lt, o))?;
             caches[i] = Some(kv);
             kv
         } else {

@@ -144,6 +144,10 @@ pub enum Op {
     /// writes row `t` at slot `pos[t] % S`. The output is the cache itself. With `heads`:
     /// only those heads of x (which then holds more).
     KvWrite { heads: Option<HeadRange> },
+    /// `[x: f32[T, H, D], pos: u32[T], w?: f32-weight[D], cache: state[S, heads, D]] -> state`:
+    /// [`Op::NormRope`] of x written straight into a cache as [`Op::KvWrite`] writes (k's norm,
+    /// RoPE and cache write in one pass).
+    KvWriteNormRope { eps: f32, scale: NormScale, theta: f32, factor: f32, rotary_pairs: usize, heads: Option<HeadRange> },
     /// `[q: f32[T, nq, D], pos: u32[T], k: state[S, nkv, D], v: state[S, nkv, D]] -> f32[T, nq, D]`:
     /// query `t` attends to absolute positions `j <= pos[t]` (and `j > pos[t] - window`),
     /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`.
@@ -225,6 +229,7 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::NormRope { .. } => "norm_rope",
             Op::KvWrite { .. } => "kv_write",
+            Op::KvWriteNormRope { .. } => "kv_write_norm_rope",
             Op::Attention { .. } => "attention",
             Op::Binary { f: BinaryOp::Add } => "add",
             Op::Binary { f: BinaryOp::Mul } => "mul",
@@ -250,7 +255,9 @@ impl Op {
             Op::RmsNorm { scale, .. } | Op::NormMatMul { scale, .. } | Op::NormGeGlu { scale, .. } if *scale != NormScale::None => {
                 Some(1)
             }
-            Op::RmsNormAdd { scale, .. } | Op::NormRope { scale, .. } if *scale != NormScale::None => Some(2),
+            Op::RmsNormAdd { scale, .. } | Op::NormRope { scale, .. } | Op::KvWriteNormRope { scale, .. } if *scale != NormScale::None => {
+                Some(2)
+            }
             _ => None,
         }
     }
@@ -262,7 +269,7 @@ impl Op {
 
     /// Whether the op writes into the persistent state given as its last input.
     pub fn writes_state(&self) -> bool {
-        matches!(self, Op::KvWrite { .. })
+        matches!(self, Op::KvWrite { .. } | Op::KvWriteNormRope { .. })
     }
 
     /// Attributes as a short human-readable string (for dumps).
@@ -276,7 +283,8 @@ impl Op {
                 format!("eps={eps:e} scale={scale:?}")
             }
             Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
-            Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
+            Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads }
+            | Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
                 format!("eps={eps:e} scale={scale:?} theta={theta} factor={factor} pairs={rotary_pairs}{}", HeadRange::attr(*heads))
             }
             Op::KvWrite { heads } => HeadRange::attr(*heads).trim_start().to_string(),
@@ -446,6 +454,23 @@ impl Op {
                     _ => None,
                 };
                 HeadRange::apply(heads, x).map_err(err)
+            }
+            Op::KvWriteNormRope { scale, rotary_pairs, heads, .. } => {
+                let has_w = *scale != NormScale::None;
+                need(if has_w { 4 } else { 3 })?;
+                let x = HeadRange::apply(*heads, f32_in(0)?).map_err(err)?;
+                let p = u32_in(1)?;
+                let c = f32_in(inputs.len() - 1)?;
+                if x.shape.len() != 3 || p.shape != [x.shape[0]] || x.shape[2] % 2 != 0 || *rotary_pairs > x.shape[2] / 2 {
+                    return Err(err(format!("x {} pos {} pairs {rotary_pairs}", x.describe(), p.describe())));
+                }
+                if has_w && inputs[2].shape != [x.last()] {
+                    return Err(err(format!("weight {} for x {}", inputs[2].describe(), x.describe())));
+                }
+                if c.shape.len() != 3 || x.shape[1..] != c.shape[1..] || x.shape[0] > c.shape[0] {
+                    return Err(err(format!("x {} cache {}", x.describe(), c.describe())));
+                }
+                Ok(c.clone())
             }
             Op::KvWrite { heads } => {
                 need(3)?;

@@ -253,6 +253,17 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         // The value is the cache; readers fetch it from the state.
                         Val::F(Rc::new(vec![]))
                     }
+                    Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
+                        let p = get(&vals, ins[1]);
+                        let s = &node.ty.shape;
+                        let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
+                        let xn = ops::head_range(&xn, &g.node(ins[0]).ty.shape, *heads);
+                        let mut rows = vec![0f32; xn.len()];
+                        ops::rope(&xn, p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut rows);
+                        let cache = state.caches.get_mut(&state_key(g, ins[ins.len() - 1])).ok_or("state missing")?;
+                        ops::kv_write(&rows, p.u(), s[1] * s[2], cache);
+                        Val::F(Rc::new(vec![]))
+                    }
                     Op::Attention { scale, window } => {
                         let q = get(&vals, ins[0]);
                         let p = get(&vals, ins[1]);

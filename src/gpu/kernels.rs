@@ -142,8 +142,9 @@ pub enum KernelSpec {
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`).
     RmsNorm { w: Option<FloatType>, res: bool },
-    /// `norm`: an RMSNorm per head in front (`Op::NormRope`), with its weight's dtype.
-    Rope { norm: Option<Option<FloatType>> },
+    /// `norm`: an RMSNorm per head in front (`Op::NormRope`), with its weight's dtype; `cache`:
+    /// rows written to KV cache slots (`Op::KvWriteNormRope`).
+    Rope { norm: Option<Option<FloatType>>, cache: bool },
     KvWrite,
     /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs.
     Attention { dpt: u32, split: bool },
@@ -225,8 +226,8 @@ impl KernelSpec {
             KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
             KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
             KernelSpec::RmsNorm { w, res } => format!("rms_norm[{}{}]", w.map_or("none", |t| t.name()), if *res { " add" } else { "" }),
-            KernelSpec::Rope { norm: None } => "rope".into(),
-            KernelSpec::Rope { norm: Some(w) } => format!("norm_rope[{}]", w.map_or("none", |t| t.name())),
+            KernelSpec::Rope { norm: None, .. } => "rope".into(),
+            KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
             KernelSpec::KvWrite => "kv_write".into(),
             KernelSpec::Attention { dpt, split } => format!("attention[dpt{dpt}{}]", if *split { " split" } else { "" }),
             KernelSpec::AttnCombine => "attn_combine".into(),
@@ -300,10 +301,11 @@ impl KernelSpec {
                 .flag("HAS_W", w.is_some())
                 .flag("RES", res)
                 .flag("SUBGROUP", sg),
-            KernelSpec::Rope { norm } => Source::new(&[COMMON, ROPE])
+            KernelSpec::Rope { norm, cache } => Source::new(&[COMMON, ROPE])
                 .c("WG", 64)
                 .c("NDT", norm.flatten().map_or(2, dt_code))
                 .flag("NORM", norm.is_some())
+                .flag("CACHE", cache && norm.is_some())
                 .flag("HAS_NW", norm.flatten().is_some()),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
             KernelSpec::Attention { dpt, split } => Source::new(&[COMMON, ATTENTION])
@@ -377,10 +379,11 @@ impl KernelSpec {
             }
         }
         v.extend([
-            KernelSpec::Rope { norm: None },
-            KernelSpec::Rope { norm: Some(None) },
-            KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)) },
-            KernelSpec::Rope { norm: Some(Some(FloatType::F32)) },
+            KernelSpec::Rope { norm: None, cache: false },
+            KernelSpec::Rope { norm: Some(None), cache: false },
+            KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: false },
+            KernelSpec::Rope { norm: Some(Some(FloatType::F32)), cache: false },
+            KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: true },
             KernelSpec::KvWrite,
             KernelSpec::AttnCombine,
             KernelSpec::GeGlu,
@@ -700,7 +703,12 @@ impl Kernels {
 
     /// `norm`: an RMSNorm per head in front, with its weight's dtype (`Some(None)`: no weight).
     pub fn rope(&self, norm: Option<Option<FloatType>>) -> Result<RopeKernel, GpuError> {
-        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm })?, norm: norm.is_some(), maxg: self.maxg() })
+        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm, cache: false })?, norm: norm.is_some(), maxg: self.maxg() })
+    }
+
+    /// `Op::KvWriteNormRope`: the norm-rope kernel writing rows to cache slots (binding 3 the cache).
+    pub fn rope_to_cache(&self, norm: Option<FloatType>) -> Result<RopeKernel, GpuError> {
+        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm: Some(norm), cache: true })?, norm: true, maxg: self.maxg() })
     }
 
     pub fn kv_write(&self) -> Result<KvWriteKernel, GpuError> {
@@ -1124,6 +1132,9 @@ pub struct RopeParams {
     /// Heads of a row of x, and the first one read (a head range of a wider value).
     pub x_heads: u32,
     pub head0: u32,
+    /// Cache slots (rows written to a KV cache).
+    pub slots: u32,
+    pub _pad: [u32; 3],
     pub tab: [[u32; 4]; 128],
 }
 
@@ -1138,6 +1149,10 @@ impl RopeParams {
     /// Reading heads `head0..head0 + heads` of an x with `x_heads` heads per row.
     pub fn with_heads(self, x_heads: usize, head0: usize) -> Self {
         RopeParams { x_heads: x_heads as u32, head0: head0 as u32, ..self }
+    }
+    /// Writing row (t, h) to slot `pos[t] % slots` of a cache.
+    pub fn with_slots(self, slots: usize) -> Self {
+        RopeParams { slots: slots as u32, ..self }
     }
 }
 
@@ -1171,7 +1186,7 @@ impl RopeKernel {
             tab[i / 2][(i % 2) * 2] = f as u32;
             tab[i / 2][(i % 2) * 2 + 1] = (f >> 32) as u32;
         }
-        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, x_heads: heads as u32, head0: 0, tab }
+        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, x_heads: heads as u32, head0: 0, slots: 0, _pad: [0; 3], tab }
     }
     pub fn groups(&self, t: usize, heads: usize, d: usize) -> [u32; 3] {
         if self.norm {

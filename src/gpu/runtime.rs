@@ -391,6 +391,23 @@ impl GpuExecutor {
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, wv.map(|v| &v.0));
                         push(k.kernel.clone(), bg, k.groups(s[0], s[1], s[2]));
                     }
+                    Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
+                        let s = &node.ty.shape;
+                        if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
+                            return Err(format!("node %{} {}: {rotary_pairs} rotary pairs exceed the kernel's {}", node.id, node.name, crate::gpu::kernels::MAX_ROPE_PAIRS));
+                        }
+                        let xs = shape_of(0);
+                        let t = xs[0];
+                        let k = self.kernels.rope_to_cache(norm_w()?.map(|v| v.1)).map_err(kerr)?;
+                        let p = uni(bytemuck::bytes_of(
+                            &k.params(t, s[1], s[2], *theta, *factor, *rotary_pairs)
+                                .with_norm(Some((*scale, *eps)))
+                                .with_heads(xs[1], heads.map_or(0, |r| r.start))
+                                .with_slots(s[0]),
+                        ));
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, norm_w()?.map(|v| &v.0));
+                        push(k.kernel.clone(), bg, k.groups(t, s[1], s[2]));
+                    }
                     Op::KvWrite { heads } => {
                         let xs = shape_of(0);
                         let slots = node.ty.shape[0];
