@@ -761,6 +761,35 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
             &want,
         );
     }
+    // the queries' norm (bf16 weight, 1 + w) and RoPE done by the attention pass, from heads
+    // 1..1 + nq of a value with nq + 2 heads
+    let (xh, h0, pairs, theta) = (nq + 2, 1, d / 4, 10_000f32);
+    let x = randn(r, t * xh * d, 3.0);
+    let nwv = randn(r, d, 0.5);
+    let nwt = float_tensor(FloatType::Bf16, &[d], &nwv);
+    let mut xn = vec![0f32; x.len()];
+    cpu::rms_norm(&x, Some(&nwt.to_f32()), d, 1e-6, NormScale::OnePlusW, &mut xn);
+    let sel = cpu::head_range(&xn, &[t, xh, d], Some(HeadRange { start: h0, count: nq }));
+    let mut qr = vec![0f32; sel.len()];
+    cpu::rope(&sel, &pos, nq, d, theta, 1.0, pairs, &mut qr);
+    let mut want = vec![0f32; qr.len()];
+    cpu::attention(&qr, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
+    let (xb, nwb) = (gpu.upload_f32("x", &x), gpu.upload("nw", &nwt.bytes));
+    let rp = RopeParams::new(t, nq, d, theta, 1.0, pairs).with_norm(Some((NormScale::OnePlusW, 1e-6))).with_heads(xh, h0);
+    let rpb = gpu.uniform("rope", &rp);
+    for (label, ks) in &e.variants {
+        let k = ks.attention_with(d, nsplit, Some(Some(FloatType::Bf16))).unwrap();
+        let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
+        let out = gpu.storage("out", (want.len() * 4) as u64);
+        let part = gpu.storage("part", k.partials_bytes(t, nq, d));
+        let bg = k.bind_groups_with(&gpu.device, &p, &xb, &pb, &kb, &vb, &out, Some(&part), &[(6, &rpb), (7, &nwb)]);
+        run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
+        check(
+            &format!("norm_rope_attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit}"),
+            &gpu.read_f32(&out, want.len()).unwrap(),
+            &want,
+        );
+    }
 }
 
 #[test]

@@ -9,9 +9,14 @@
 // otherwise (SPLIT) out receives per split [D unnormalized outputs, max, sum] and
 // attn_combine.wgsl merges them.
 //
-// Prelude consts: WG, DPT (= ceil(D / WG)), QV4 (= ceil(D / 4) rounded for the q tile).
-// Flags: SUBGROUP, SPLIT.
-// Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out.
+// QROPE: q is first RMS-normed and rotated (rope.wgsl's NORM path, its params at binding 6):
+// heads head0.. of a value with x_heads heads per row (a fused q/k/v projection), so q's
+// norm and RoPE need no pass of their own.
+//
+// Prelude consts: WG, DPT (= ceil(D / WG)), QV4 (= ceil(D / 4) rounded for the q tile), NDT
+// (QROPE norm weight dtype). Flags: SUBGROUP, SPLIT, QROPE, HAS_NW.
+// Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
+// 6 rope params (QROPE), 7 norm weight (QROPE with a weight).
 
 struct Params {
     T: u32,
@@ -36,6 +41,45 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
 
 var<workgroup> qs: array<vec4<f32>, QV4>;
+
+//#if QROPE
+// rope.wgsl's params
+struct RopeParams {
+    T: u32,
+    heads: u32,
+    D: u32,
+    pairs: u32,
+    norm_mode: u32,
+    norm_eps: f32,
+    x_heads: u32,
+    head0: u32,
+    S: u32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
+    tab: array<vec4<u32>, 128>,
+}
+
+@group(0) @binding(6) var<uniform> rp: RopeParams;
+//#if HAS_NW
+@group(0) @binding(7) var<storage, read> nw: array<u32>;
+//#endif
+var<workgroup> qn: array<f32, QV4 * 4u>;
+
+fn q_norm_scale(i: u32) -> f32 {
+//#if HAS_NW
+    var w: f32;
+    if NDT == 2u {
+        w = bitcast<f32>(nw[i]);
+    } else {
+        w = f16x2_pick(nw[i >> 1u], i, NDT);
+    }
+    return norm_w_scale(w, rp.norm_mode);
+//#else
+    return 1.0;
+//#endif
+}
+//#endif
 var<workgroup> ps: array<f32, WG>;
 var<workgroup> slots: array<u32, WG>;
 var<workgroup> wpos: u32;
@@ -74,11 +118,42 @@ fn main(
     let js = min(lo + sp * chunk, pp + 1u);
     let je = min(js + chunk, pp + 1u);
 
+//#if QROPE
+    // rope(rms_norm(q row)) * scale
+    let qb = (t * rp.x_heads + rp.head0 + h) * D4;
+    var ss = 0.0;
+    for (var i = lid; i < D4; i += WG) {
+        let v = q[qb + i];
+        qs[i] = v;
+        ss += dot(v, v);
+    }
+    let r = 1.0 / sqrt(wg_sum(ss) / f32(D) + rp.norm_eps);
+    for (var i = lid; i < D; i += WG) {
+        qn[i] = qs[i >> 2u][i & 3u] * r * q_norm_scale(i);
+    }
+    workgroupBarrier();
+    let half = D / 2u;
+    for (var i = lid; i < half; i += WG) {
+        let a0 = qn[i];
+        let a1 = qn[i + half];
+        var b0 = a0;
+        var b1 = a1;
+        if i < rp.pairs {
+            let sc = sincos_turn(rope_turn(rp.tab[i >> 1u], i, pp));
+            b0 = a0 * sc.y - a1 * sc.x;
+            b1 = a1 * sc.y + a0 * sc.x;
+        }
+        qs[i >> 2u][i & 3u] = b0 * p.scale;
+        qs[(i + half) >> 2u][(i + half) & 3u] = b1 * p.scale;
+    }
+    workgroupBarrier();
+//#else
     let qb = (t * p.nq + h) * D4;
     for (var i = lid; i < D4; i += WG) {
         qs[i] = q[qb + i] * p.scale;
     }
     workgroupBarrier();
+//#endif
 
     var m = NEG_BIG;
     var l = 0.0;

@@ -140,3 +140,31 @@ fn mulhi(a: u32, b: u32) -> u32 {
     let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
     return p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
 }
+
+// (sin, cos) of `turn` (a u32 fraction of a full turn).
+fn sincos_turn(u: u32) -> vec2<f32> {
+    let uu = u + 0x20000000u;
+    let q = uu >> 30u;
+    let rem = i32(uu & 0x3fffffffu) - 0x20000000;
+    let a = f32(rem) * 1.4629180792671596e-9;   // 2 pi / 2^32
+    let z = a * a;
+    let s = a + a * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
+    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
+    if q == 0u {
+        return vec2<f32>(s, c);
+    } else if q == 1u {
+        return vec2<f32>(c, -s);
+    } else if q == 2u {
+        return vec2<f32>(-s, -c);
+    }
+    return vec2<f32>(-c, s);
+}
+
+// RoPE angle of pair i at position ps as a fraction of a turn, from its params table entry
+// (pair 2j: (lo, hi) = entry.xy, pair 2j+1: entry.zw; the 64-bit fraction of a turn per position).
+fn rope_turn(v: vec4<u32>, i: u32, ps: u32) -> u32 {
+    let odd = (i & 1u) == 1u;
+    let lo = select(v.x, v.z, odd);
+    let hi = select(v.y, v.w, odd);
+    return ps * hi + mulhi(ps, lo);
+}

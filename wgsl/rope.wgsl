@@ -38,33 +38,10 @@ struct Params {
 @group(0) @binding(4) var<storage, read> nw: array<u32>;
 //#endif
 
-// (sin, cos) of `turn` (a u32 fraction of a full turn).
-fn sincos_turn(u: u32) -> vec2<f32> {
-    let uu = u + 0x20000000u;
-    let q = uu >> 30u;
-    let rem = i32(uu & 0x3fffffffu) - 0x20000000;
-    let a = f32(rem) * 1.4629180792671596e-9;   // 2 pi / 2^32
-    let z = a * a;
-    let s = a + a * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
-    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
-    if q == 0u {
-        return vec2<f32>(s, c);
-    } else if q == 1u {
-        return vec2<f32>(c, -s);
-    } else if q == 2u {
-        return vec2<f32>(-s, -c);
-    }
-    return vec2<f32>(-c, s);
-}
-
 // Rotates pair i of the row at b (position ps) from (a0, a1).
 fn rotate(b: u32, i: u32, half: u32, ps: u32, a0: f32, a1: f32) {
     if i < p.pairs {
-        let v = p.tab[i >> 1u];
-        let odd = (i & 1u) == 1u;
-        let lo = select(v.x, v.z, odd);
-        let hi = select(v.y, v.w, odd);
-        let sc = sincos_turn(ps * hi + mulhi(ps, lo));
+        let sc = sincos_turn(rope_turn(p.tab[i >> 1u], i, ps));
         out[b + i] = a0 * sc.y - a1 * sc.x;
         out[b + i + half] = a1 * sc.y + a0 * sc.x;
     } else {

@@ -133,6 +133,12 @@ struct B<'a> {
     fuse_prenorm: bool,
 }
 
+/// The queries as the attention op sees them: a value, or its norm + RoPE left to the op.
+enum Query {
+    Node(NodeIndex),
+    Fused { x: NodeIndex, heads: Option<HeadRange>, w: NodeIndex, norm: NormScale, rope: Op },
+}
+
 /// A pre-norm as the matmuls reading it see it: a value, or fused into each of them.
 #[derive(Clone, Copy)]
 enum Normed {
@@ -266,6 +272,17 @@ impl<'a> B<'a> {
         self.op(name, layer, op, &[x, self.pos, wn])
     }
 
+    /// The queries of layer `i`: `rope(norm(x))` (weight `w`), a node, or for one-token graphs
+    /// left to the attention op to compute.
+    fn query(&mut self, i: usize, (x, heads): (NodeIndex, Option<HeadRange>), w: &str, conv: NormScale, rope: &Op) -> Result<Query, BuildError> {
+        if !self.fuse_prenorm {
+            return Ok(Query::Node(self.norm_rope("q_norm_rope", Some(i), (x, heads), w, conv, rope)?));
+        }
+        let d = self.g.node(x).ty.last();
+        let w = self.w(w, Some(i), &[d], false);
+        Ok(Query::Fused { x, heads, w, norm: conv, rope: rope.clone() })
+    }
+
     /// `res + norm(x)`.
     fn norm_add(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, res: NodeIndex, w: &str, conv: NormScale) -> Result<NodeIndex, BuildError> {
         let d = self.g.node(x).ty.last();
@@ -283,11 +300,21 @@ impl<'a> B<'a> {
 
     /// Attention of layer `i` over its (or its KV source's) caches, the output
     /// projection and its norm, added to the residual `x`.
-    fn attention_block(&mut self, i: usize, x: NodeIndex, q: NodeIndex, kv: (NodeIndex, NodeIndex), conv: NormScale) -> Result<NodeIndex, BuildError> {
+    fn attention_block(&mut self, i: usize, x: NodeIndex, q: Query, kv: (NodeIndex, NodeIndex), conv: NormScale) -> Result<NodeIndex, BuildError> {
         let (l, cfg) = (Some(i), self.cfg);
-        let qs = self.g.node(q).ty.shape.clone();
         let window = if cfg.layer_types[i] == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
-        let a = self.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, self.pos, kv.0, kv.1])?;
+        let scale = cfg.attn_scale as f32;
+        let a = match q {
+            Query::Node(q) => self.op("attention", l, Op::Attention { scale, window }, &[q, self.pos, kv.0, kv.1])?,
+            Query::Fused { x, heads, w, norm, rope } => {
+                let Op::Rope { theta, factor, rotary_pairs } = rope else {
+                    return Err(BuildError::Config(format!("layer {i}: not a rope op: {rope:?}")));
+                };
+                let op = Op::NormRopeAttention { scale, window, eps: self.eps, norm, theta, factor, rotary_pairs, heads };
+                self.op("q_norm_rope_attention", l, op, &[x, self.pos, kv.0, kv.1, w])?
+            }
+        };
+        let qs = self.g.node(a).ty.shape.clone();
         let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;
         let a = self.linear("o_proj", l, a, &format!("layers.{i}.self_attn.o_proj"), cfg.hidden_size)?;
         self.norm_add("attn_residual", l, a, x, &format!("layers.{i}.post_attention_layernorm.weight"), conv)
@@ -365,7 +392,7 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let (q, k, v) = (pr[0], pr[1], pr[2]);
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
-        let q = b.norm_rope("q_norm_rope", l, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
+        let q = b.query(i, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
         let (kc, vc) = kv_write(&mut b, i, k, &p("self_attn.k_norm.weight"), conv, &rop, v, cache_slots(cfg, lt, o))?;
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
@@ -505,7 +532,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let rope = cfg.layer_rope(i).clone();
         let pairs = if rope.partial < 1.0 { ((d as f64 * rope.partial) as usize) / 2 } else { d / 2 };
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: pairs };
-        let q = b.norm_rope("q_norm_rope", l, pr[0], &p("self_attn.q_norm.weight"), conv, &rop)?;
+        let q = b.query(i, pr[0], &p("self_attn.q_norm.weight"), conv, &rop)?;
         let (kc, vc) = if own_kv {
             let v = if k_eq_v { pr[1] } else { pr[2] };
             let v = match v {

@@ -152,6 +152,20 @@ pub enum Op {
     /// query `t` attends to absolute positions `j <= pos[t]` (and `j > pos[t] - window`),
     /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`.
     Attention { scale: f32, window: Option<usize> },
+    /// `[x: f32[T, H, D], pos: u32[T], k: state, v: state, w?: f32-weight[D]] -> f32[T, nq, D]`:
+    /// [`Op::Attention`] of the queries `rope(rms_norm(x))` ([`Op::NormRope`] with the
+    /// norm convention `norm`; heads `heads` of x when given), the query's norm and RoPE
+    /// done by the attention pass itself.
+    NormRopeAttention {
+        scale: f32,
+        window: Option<usize>,
+        eps: f32,
+        norm: NormScale,
+        theta: f32,
+        factor: f32,
+        rotary_pairs: usize,
+        heads: Option<HeadRange>,
+    },
     /// `[a, b] -> a`.
     Binary { f: BinaryOp },
     /// `[x] -> x`.
@@ -231,6 +245,7 @@ impl Op {
             Op::KvWrite { .. } => "kv_write",
             Op::KvWriteNormRope { .. } => "kv_write_norm_rope",
             Op::Attention { .. } => "attention",
+            Op::NormRopeAttention { .. } => "norm_rope_attention",
             Op::Binary { f: BinaryOp::Add } => "add",
             Op::Binary { f: BinaryOp::Mul } => "mul",
             Op::Unary { f: UnaryOp::Scale { .. } } => "scale",
@@ -258,6 +273,7 @@ impl Op {
             Op::RmsNormAdd { scale, .. } | Op::NormRope { scale, .. } | Op::KvWriteNormRope { scale, .. } if *scale != NormScale::None => {
                 Some(2)
             }
+            Op::NormRopeAttention { norm, .. } if *norm != NormScale::None => Some(4),
             _ => None,
         }
     }
@@ -292,6 +308,11 @@ impl Op {
                 Some(w) => format!("scale={scale} window={w}"),
                 None => format!("scale={scale} causal"),
             },
+            Op::NormRopeAttention { scale, window, eps, norm, theta, factor, rotary_pairs, heads } => format!(
+                "scale={scale} {} eps={eps:e} norm={norm:?} theta={theta} factor={factor} pairs={rotary_pairs}{}",
+                window.map_or("causal".to_string(), |w| format!("window={w}")),
+                HeadRange::attr(*heads)
+            ),
             Op::Unary { f: UnaryOp::Scale { factor } } => format!("factor={factor}"),
             Op::Unary { f: UnaryOp::Softcap { cap } } => format!("cap={cap}"),
             Op::TopK { k } => format!("k={k}"),
@@ -485,9 +506,25 @@ impl Op {
                 }
                 Ok(c.clone())
             }
-            Op::Attention { .. } => {
-                need(4)?;
-                let q = f32_in(0)?;
+            Op::Attention { .. } | Op::NormRopeAttention { .. } => {
+                let q = match self {
+                    Op::NormRopeAttention { norm, rotary_pairs, heads, .. } => {
+                        need(if *norm == NormScale::None { 4 } else { 5 })?;
+                        let q = HeadRange::apply(*heads, f32_in(0)?).map_err(err)?;
+                        if q.shape.len() != 3 || q.shape[2] % 2 != 0 || *rotary_pairs > q.shape[2] / 2 {
+                            return Err(err(format!("q {} pairs {rotary_pairs}", q.describe())));
+                        }
+                        if *norm != NormScale::None && inputs[4].shape != [q.shape[2]] {
+                            return Err(err(format!("weight {} for q {}", inputs[4].describe(), q.describe())));
+                        }
+                        q
+                    }
+                    _ => {
+                        need(4)?;
+                        f32_in(0)?.clone()
+                    }
+                };
+                let q = &q;
                 let p = u32_in(1)?;
                 let k = f32_in(2)?;
                 let v = f32_in(3)?;

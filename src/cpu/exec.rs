@@ -264,8 +264,18 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::kv_write(&rows, p.u(), s[1] * s[2], cache);
                         Val::F(Rc::new(vec![]))
                     }
-                    Op::Attention { scale, window } => {
-                        let q = get(&vals, ins[0]);
+                    Op::Attention { scale, window } | Op::NormRopeAttention { scale, window, .. } => {
+                        let q = match op {
+                            Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, heads, .. } => {
+                                let xn = normed_input(g, w, &vals, n, op, *eps, *norm)?;
+                                let xn = ops::head_range(&xn, &g.node(ins[0]).ty.shape, *heads);
+                                let mut q = vec![0f32; out.len()];
+                                let s = &node.ty.shape;
+                                ops::rope(&xn, get(&vals, ins[1]).u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut q);
+                                Val::F(Rc::new(q))
+                            }
+                            _ => get(&vals, ins[0]).clone(),
+                        };
                         let p = get(&vals, ins[1]);
                         let k = &state.caches[&state_key(g, ins[2])];
                         let v = &state.caches[&state_key(g, ins[3])];

@@ -146,8 +146,9 @@ pub enum KernelSpec {
     /// rows written to KV cache slots (`Op::KvWriteNormRope`).
     Rope { norm: Option<Option<FloatType>>, cache: bool },
     KvWrite,
-    /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs.
-    Attention { dpt: u32, split: bool },
+    /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs; `qrope`:
+    /// q's RMSNorm (weight dtype) and RoPE in front (`Op::NormRopeAttention`).
+    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>> },
     AttnCombine,
     GeGlu,
     Binary { b: FloatType },
@@ -229,7 +230,11 @@ impl KernelSpec {
             KernelSpec::Rope { norm: None, .. } => "rope".into(),
             KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
             KernelSpec::KvWrite => "kv_write".into(),
-            KernelSpec::Attention { dpt, split } => format!("attention[dpt{dpt}{}]", if *split { " split" } else { "" }),
+            KernelSpec::Attention { dpt, split, qrope } => format!(
+                "attention[dpt{dpt}{}{}]",
+                if *split { " split" } else { "" },
+                qrope.map_or(String::new(), |w| format!(" norm_rope[{}]", w.map_or("none", |t| t.name())))
+            ),
             KernelSpec::AttnCombine => "attn_combine".into(),
             KernelSpec::GeGlu => "geglu".into(),
             KernelSpec::Binary { b } => format!("binary[{}]", b.name()),
@@ -308,11 +313,14 @@ impl KernelSpec {
                 .flag("CACHE", cache && norm.is_some())
                 .flag("HAS_NW", norm.flatten().is_some()),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
-            KernelSpec::Attention { dpt, split } => Source::new(&[COMMON, ATTENTION])
+            KernelSpec::Attention { dpt, split, qrope } => Source::new(&[COMMON, ATTENTION])
                 .c("WG", ATTN_WG)
                 .c("DPT", dpt)
                 .c("QV4", dpt * ATTN_WG / 4)
+                .c("NDT", qrope.flatten().map_or(2, dt_code))
                 .flag("SPLIT", split)
+                .flag("QROPE", qrope.is_some())
+                .flag("HAS_NW", qrope.flatten().is_some())
                 .flag("SUBGROUP", sg),
             KernelSpec::AttnCombine => Source::new(&[COMMON, ATTN_COMBINE]).c("WG", 64),
             KernelSpec::GeGlu => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("GEGLU", true),
@@ -375,7 +383,8 @@ impl KernelSpec {
         }
         for dpt in [1, 2, 4] {
             for split in [false, true] {
-                v.push(KernelSpec::Attention { dpt, split });
+                v.push(KernelSpec::Attention { dpt, split, qrope: None });
+                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)) });
             }
         }
         v.extend([
@@ -718,12 +727,18 @@ impl Kernels {
     /// Attention for head dim `d`; `nsplit > 1` splits each query's keys over that many
     /// workgroups (decode over long contexts) and adds the combine dispatch.
     pub fn attention(&self, d: usize, nsplit: usize) -> Result<AttentionKernel, GpuError> {
+        self.attention_with(d, nsplit, None)
+    }
+
+    /// `qrope`: q's norm (weight dtype) and RoPE in front (`Op::NormRopeAttention`; bindings 6
+    /// the `RopeParams`, 7 the norm weight).
+    pub fn attention_with(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>) -> Result<AttentionKernel, GpuError> {
         if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
             return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
         }
         let dpt = div_ceil(d, ATTN_WG as usize) as u32;
         let split = nsplit > 1;
-        let kernel = self.get(KernelSpec::Attention { dpt, split })?;
+        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope })?;
         let combine = if split { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
         Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
     }
@@ -1139,6 +1154,18 @@ pub struct RopeParams {
 }
 
 impl RopeParams {
+    /// Params of `t` tokens, `heads` heads of dim `d`, `pairs` rotated pairs (the table of
+    /// their turn fractions); no norm, x holding exactly those heads.
+    pub fn new(t: usize, heads: usize, d: usize, theta: f32, factor: f32, pairs: usize) -> Self {
+        assert!(pairs <= MAX_ROPE_PAIRS && pairs <= d / 2, "rope: {pairs} pairs for head dim {d}");
+        let mut tab = [[0u32; 4]; 128];
+        for i in 0..pairs {
+            let f = rope_turn_fraction(theta, factor, d, i);
+            tab[i / 2][(i % 2) * 2] = f as u32;
+            tab[i / 2][(i % 2) * 2 + 1] = (f >> 32) as u32;
+        }
+        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, x_heads: heads as u32, head0: 0, slots: 0, _pad: [0; 3], tab }
+    }
     /// With the norm `(scale, eps)` in front.
     pub fn with_norm(self, norm: Option<(NormScale, f32)>) -> Self {
         match norm {
@@ -1179,14 +1206,7 @@ pub struct RopeKernel {
 impl RopeKernel {
     #[allow(clippy::too_many_arguments)]
     pub fn params(&self, t: usize, heads: usize, d: usize, theta: f32, factor: f32, pairs: usize) -> RopeParams {
-        assert!(pairs <= MAX_ROPE_PAIRS && pairs <= d / 2, "rope: {pairs} pairs for head dim {d}");
-        let mut tab = [[0u32; 4]; 128];
-        for i in 0..pairs {
-            let f = rope_turn_fraction(theta, factor, d, i);
-            tab[i / 2][(i % 2) * 2] = f as u32;
-            tab[i / 2][(i % 2) * 2 + 1] = (f >> 32) as u32;
-        }
-        RopeParams { t: t as u32, heads: heads as u32, d: d as u32, pairs: pairs as u32, norm_mode: 0, norm_eps: 0.0, x_heads: heads as u32, head0: 0, slots: 0, _pad: [0; 3], tab }
+        RopeParams::new(t, heads, d, theta, factor, pairs)
     }
     pub fn groups(&self, t: usize, heads: usize, d: usize) -> [u32; 3] {
         if self.norm {
@@ -1314,11 +1334,33 @@ impl AttentionKernel {
         out: &wgpu::Buffer,
         partials: Option<&wgpu::Buffer>,
     ) -> (wgpu::BindGroup, Option<wgpu::BindGroup>) {
+        self.bind_groups_with(device, params, q, pos, k, v, out, partials, &[])
+    }
+
+    /// With `extra` bindings (q's rope params at 6 and norm weight at 7).
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_groups_with(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        q: &wgpu::Buffer,
+        pos: &wgpu::Buffer,
+        k: &wgpu::Buffer,
+        v: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        partials: Option<&wgpu::Buffer>,
+        extra: &[(u32, &wgpu::Buffer)],
+    ) -> (wgpu::BindGroup, Option<wgpu::BindGroup>) {
+        let main = |o: &wgpu::Buffer| {
+            let mut b = vec![(0, params), (1, q), (2, pos), (3, k), (4, v), (5, o)];
+            b.extend_from_slice(extra);
+            self.kernel.bind_buffers(device, &b)
+        };
         match &self.combine {
-            None => (self.kernel.bind_buffers(device, &[(0, params), (1, q), (2, pos), (3, k), (4, v), (5, out)]), None),
+            None => (main(out), None),
             Some(c) => {
                 let part = partials.expect("split attention needs a partials buffer");
-                let a = self.kernel.bind_buffers(device, &[(0, params), (1, q), (2, pos), (3, k), (4, v), (5, part)]);
+                let a = main(part);
                 let b = c.bind_buffers(device, &[(0, params), (1, part), (2, out)]);
                 (a, Some(b))
             }

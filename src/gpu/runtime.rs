@@ -418,13 +418,33 @@ impl GpuExecutor {
                         let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
                         push(k.kernel.clone(), bg, k.groups(xs[0], row));
                     }
-                    Op::Attention { scale, window } => {
+                    Op::Attention { scale, window } | Op::NormRopeAttention { scale, window, .. } => {
                         let s = &node.ty.shape;
                         let (t, nq, d) = (s[0], s[1], s[2]);
                         let ks = shape_of(2);
                         let (slots, nkv) = (ks[0], ks[1]);
-                        let k = self.kernels.attention(d, attention_splits(slots, nq, t)).map_err(kerr)?;
+                        // q's norm and RoPE in the attention pass: their params and weight at 6, 7
+                        let qrope = match op {
+                            Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, heads, .. } => {
+                                if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
+                                    return Err(format!("node %{} {}: {rotary_pairs} rotary pairs exceed the kernel's {}", node.id, node.name, crate::gpu::kernels::MAX_ROPE_PAIRS));
+                                }
+                                let rp = crate::gpu::kernels::RopeParams::new(t, nq, d, *theta, *factor, *rotary_pairs)
+                                    .with_norm(Some((*norm, *eps)))
+                                    .with_heads(shape_of(0)[1], heads.map_or(0, |r| r.start));
+                                Some((uni(bytemuck::bytes_of(&rp)), norm_w()?))
+                            }
+                            _ => None,
+                        };
+                        let k = self.kernels.attention_with(d, attention_splits(slots, nq, t), qrope.as_ref().map(|q| q.1.map(|v| v.1))).map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(t, nq, nkv, d, slots, *scale, *window)));
+                        let mut extra: Vec<(u32, &wgpu::Buffer)> = vec![];
+                        if let Some((rb, nw)) = &qrope {
+                            extra.push((6, rb));
+                            if let Some((b, _)) = nw {
+                                extra.push((7, b));
+                            }
+                        }
                         let part = if k.combine.is_some() {
                             let b = self.gpu.storage(&format!("{}.partials", node.name), k.partials_bytes(t, nq, d));
                             scratch.push(b.clone());
@@ -432,7 +452,7 @@ impl GpuExecutor {
                         } else {
                             None
                         };
-                        let (a, b) = k.bind_groups(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, part.as_ref());
+                        let (a, b) = k.bind_groups_with(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, part.as_ref(), &extra);
                         push(k.kernel.clone(), a, [nq as u32, t as u32, k.nsplit]);
                         if let (Some(ck), Some(b)) = (&k.combine, b) {
                             push(ck.clone(), b, [nq as u32, t as u32, 1]);
