@@ -89,7 +89,7 @@ fn attention(c: &mut Criterion) {
     let out = gpu.storage("out", (nq * d * 4) as u64);
     let part = gpu.storage("part", ak.partials_bytes(1, nq, d));
     let pb = gpu.uniform("p", &ak.params(1, nq, nkv, d, ctx, 1.0, None));
-    let bg = ak.bind_groups(&gpu.device, &pb, &q, &pos, &kc, &vc, &out, Some(&part));
+    let bg = ak.bind_groups(&gpu.device, &pb, &q, &pos, &kc, &vc, &out, Some(&part), &[]);
     g.throughput(Throughput::Bytes((2 * ctx * nkv * d * 4) as u64));
     g.bench_function("gqa8x4_d256", |b| b.iter(|| submit_wait(&gpu, |pass| ak.dispatch(pass, &bg, 1, nq))));
     g.finish();

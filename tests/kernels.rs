@@ -753,7 +753,7 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
         let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
         let out = gpu.storage("out", (q.len() * 4) as u64);
         let part = gpu.storage("part", k.partials_bytes(t, nq, d));
-        let bg = k.bind_groups(&gpu.device, &p, &qb, &pb, &kb, &vb, &out, Some(&part));
+        let bg = k.bind_groups(&gpu.device, &p, &qb, &pb, &kb, &vb, &out, Some(&part), &[]);
         run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
         check(
             &format!("attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit}"),
@@ -782,7 +782,7 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
         let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
         let out = gpu.storage("out", (want.len() * 4) as u64);
         let part = gpu.storage("part", k.partials_bytes(t, nq, d));
-        let bg = k.bind_groups_with(&gpu.device, &p, &xb, &pb, &kb, &vb, &out, Some(&part), &[(6, &rpb), (7, &nwb)]);
+        let bg = k.bind_groups(&gpu.device, &p, &xb, &pb, &kb, &vb, &out, Some(&part), &[(6, &rpb), (7, &nwb)]);
         run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
         check(
             &format!("norm_rope_attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit}"),

@@ -68,13 +68,7 @@ var<workgroup> qn: array<f32, QV4 * 4u>;
 
 fn q_norm_scale(i: u32) -> f32 {
 //#if HAS_NW
-    var w: f32;
-    if NDT == 2u {
-        w = bitcast<f32>(nw[i]);
-    } else {
-        w = f16x2_pick(nw[i >> 1u], i, NDT);
-    }
-    return norm_w_scale(w, rp.norm_mode);
+    return nw_scale(nw[nw_word(i, NDT)], i, NDT, rp.norm_mode);
 //#else
     return 1.0;
 //#endif

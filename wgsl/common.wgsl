@@ -116,6 +116,22 @@ fn norm_w_scale(w: f32, mode: u32) -> f32 {
     return 1.0;
 }
 
+// Word of a norm weight of dtype `dt` (0 bf16, 1 f16, 2 f32) holding element i.
+fn nw_word(i: u32, dt: u32) -> u32 {
+    return select(i >> 1u, i, dt == 2u);
+}
+
+// The scale of norm weight element i (`word`: its `nw_word`) under `mode` (see norm_w_scale).
+fn nw_scale(word: u32, i: u32, dt: u32, mode: u32) -> f32 {
+    var w: f32;
+    if dt == 2u {
+        w = bitcast<f32>(word);
+    } else {
+        w = f16x2_pick(word, i, dt);
+    }
+    return norm_w_scale(w, mode);
+}
+
 // tanh with the argument clamped to [-15, 15] (as the CPU reference).
 fn tanh_c(v: f32) -> f32 {
     return tanh(clamp(v, -15.0, 15.0));

@@ -145,13 +145,7 @@ fn nscale1(k: u32) -> f32 {
     if k >= p.K {
         return 1.0;
     }
-    var w: f32;
-    if NDT == 2u {
-        w = bitcast<f32>(nw[k]);
-    } else {
-        w = f16x2_pick(nw[k >> 1u], k, NDT);
-    }
-    return norm_w_scale(w, p.norm_mode);
+    return nw_scale(nw[nw_word(k, NDT)], k, NDT, p.norm_mode);
 //#else
     return 1.0;
 //#endif

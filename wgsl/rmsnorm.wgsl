@@ -25,13 +25,7 @@ struct Params {
 
 fn norm_scale(i: u32) -> f32 {
 //#if HAS_W
-    var w: f32;
-    if NDT == 2u {
-        w = bitcast<f32>(nw[i]);
-    } else {
-        w = f16x2_pick(nw[i >> 1u], i, NDT);
-    }
-    return norm_w_scale(w, p.mode);
+    return nw_scale(nw[nw_word(i, NDT)], i, NDT, p.mode);
 //#else
     return 1.0;
 //#endif

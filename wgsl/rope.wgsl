@@ -58,13 +58,7 @@ fn x_row(row: u32) -> u32 {
 //#if NORM
 fn norm_scale(i: u32) -> f32 {
 //#if HAS_NW
-    var w: f32;
-    if NDT == 2u {
-        w = bitcast<f32>(nw[i]);
-    } else {
-        w = f16x2_pick(nw[i >> 1u], i, NDT);
-    }
-    return norm_w_scale(w, p.norm_mode);
+    return nw_scale(nw[nw_word(i, NDT)], i, NDT, p.norm_mode);
 //#else
     return 1.0;
 //#endif

@@ -1321,25 +1321,10 @@ impl AttentionKernel {
     pub fn partials_bytes(&self, t: usize, nq: usize, d: usize) -> u64 {
         (t * nq * self.nsplit as usize * (d + 2) * 4) as u64
     }
-    /// `out` is the final output, `partials` the scratch buffer (split only).
+    /// `out` is the final output, `partials` the scratch buffer (split only); `extra`: more
+    /// bindings (q's rope params at 6 and norm weight at 7 with a fused q norm + RoPE).
     #[allow(clippy::too_many_arguments)]
     pub fn bind_groups(
-        &self,
-        device: &wgpu::Device,
-        params: &wgpu::Buffer,
-        q: &wgpu::Buffer,
-        pos: &wgpu::Buffer,
-        k: &wgpu::Buffer,
-        v: &wgpu::Buffer,
-        out: &wgpu::Buffer,
-        partials: Option<&wgpu::Buffer>,
-    ) -> (wgpu::BindGroup, Option<wgpu::BindGroup>) {
-        self.bind_groups_with(device, params, q, pos, k, v, out, partials, &[])
-    }
-
-    /// With `extra` bindings (q's rope params at 6 and norm weight at 7).
-    #[allow(clippy::too_many_arguments)]
-    pub fn bind_groups_with(
         &self,
         device: &wgpu::Device,
         params: &wgpu::Buffer,

@@ -452,7 +452,7 @@ impl GpuExecutor {
                         } else {
                             None
                         };
-                        let (a, b) = k.bind_groups_with(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, part.as_ref(), &extra);
+                        let (a, b) = k.bind_groups(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, part.as_ref(), &extra);
                         push(k.kernel.clone(), a, [nq as u32, t as u32, k.nsplit]);
                         if let (Some(ck), Some(b)) = (&k.combine, b) {
                             push(ck.clone(), b, [nq as u32, t as u32, 1]);
