@@ -1105,6 +1105,25 @@ fn sample_matches_cpu() {
 
 // ------------------------------------------------------------------ benchmark (ignored)
 
+/// Two timestamp queries (start and end of a pass) and the buffer they resolve to.
+fn pass_timer(gpu: &Gpu) -> (wgpu::QuerySet, wgpu::Buffer) {
+    let qs = gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: None, ty: wgpu::QueryType::Timestamp, count: 2 });
+    let qbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 16,
+        usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    (qs, qbuf)
+}
+
+/// Seconds between the two resolved timestamps of [`pass_timer`].
+fn pass_seconds(gpu: &Gpu, qbuf: &wgpu::Buffer) -> f64 {
+    let ts = gpu.read_u32(qbuf, 4).unwrap();
+    let (t0, t1) = (ts[0] as u64 | (ts[1] as u64) << 32, ts[2] as u64 | (ts[3] as u64) << 32);
+    t1.saturating_sub(t0) as f64 * gpu.queue.get_timestamp_period() as f64 * 1e-9
+}
+
 /// Decode GEMV bandwidth: `cargo test --release --test kernels -- --ignored gemv_bandwidth --nocapture`.
 /// Streams `MARKBASE_BENCH_LAYERS` distinct weights of `[N, K]` (default 32 x [15360, 3840],
 /// affine 4-bit g64: larger than any L2) through one compute pass, timed with timestamp
@@ -1181,16 +1200,8 @@ fn gemv_bandwidth() {
                     }
                 })
                 .collect();
-            let qs = gpu
-                .info
-                .timestamps
-                .then(|| gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: None, ty: wgpu::QueryType::Timestamp, count: 2 }));
-            let qbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: None,
-                size: 16,
-                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-                mapped_at_creation: false,
-            });
+            let (qs, qbuf) = pass_timer(gpu);
+            let qs = gpu.info.timestamps.then_some(qs);
             let mut times = Vec::new();
             for it in 0..iters + 2 {
                 let mut enc = gpu.device.create_command_encoder(&Default::default());
@@ -1213,9 +1224,7 @@ fn gemv_bandwidth() {
                 gpu.wait().unwrap();
                 let wall = t0.elapsed().as_secs_f64();
                 let secs = if qs.is_some() {
-                    let ts = gpu.read_u32(&qbuf, 4).unwrap();
-                    let (t0, t1) = (ts[0] as u64 | (ts[1] as u64) << 32, ts[2] as u64 | (ts[3] as u64) << 32);
-                    t1.saturating_sub(t0) as f64 * gpu.queue.get_timestamp_period() as f64 * 1e-9
+                    pass_seconds(gpu, &qbuf)
                 } else {
                     wall
                 };
@@ -1305,5 +1314,93 @@ fn grouped_vs_gathered_bench() {
         group_only * 1e3,
         grouped * 1e3,
         gathered / grouped
+    );
+}
+
+/// The memory path without a GEMV: `cargo test --release --test kernels -- --ignored
+/// stream_bandwidth --nocapture`. `MARKBASE_BENCH_LAYERS` (32) dispatches, each reading its own
+/// buffer of `MARKBASE_BENCH_MB` (33; 0: no reads, the cost of a dispatch and its barrier alone)
+/// as vec4 words, `MARKBASE_BENCH_UNROLL` (4) words per invocation, workgroups of
+/// `MARKBASE_BENCH_WG` (256); one output shared by all (dependent: a barrier between
+/// dispatches) or, with `MARKBASE_BENCH_DISTINCT_Y=1`, one each. Timestamps, median of 20.
+#[test]
+#[ignore]
+fn stream_bandwidth() {
+    let gpu = &env().gpu;
+    let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let mb = envu("MARKBASE_BENCH_MB", 33);
+    let layers = envu("MARKBASE_BENCH_LAYERS", 32);
+    let unroll = envu("MARKBASE_BENCH_UNROLL", 4);
+    let wg = envu("MARKBASE_BENCH_WG", 256);
+    let distinct = std::env::var("MARKBASE_BENCH_DISTINCT_Y").is_ok_and(|v| v == "1");
+    let words = (mb << 20) / 16;
+    let src = format!(
+        "@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;\n\
+         @group(0) @binding(1) var<storage, read_write> y: array<u32>;\n\
+         const WG: u32 = {wg}u;\nconst U: u32 = {unroll}u;\nconst N: u32 = {words}u;\n\
+         @compute @workgroup_size(WG)\n\
+         fn main(@builtin(local_invocation_index) l: u32, @builtin(workgroup_id) g: vec3<u32>) {{\n\
+           let base = g.x * WG * U + l;\n\
+           var a = vec4<u32>(0u);\n\
+           for (var i = 0u; i < U; i++) {{ let j = base + i * WG; if j < N {{ a ^= w[j]; }} }}\n\
+           let s = (a.x ^ a.y) ^ (a.z ^ a.w);\n\
+           if l == 0u || s == 0x9e3779b9u {{ y[g.x] = s; }}\n\
+         }}\n"
+    );
+    let module = gpu.device.create_shader_module(wgpu::ShaderModuleDescriptor { label: Some("stream"), source: wgpu::ShaderSource::Wgsl(src.into()) });
+    let pipe = gpu.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some("stream"),
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let groups = words.div_ceil(wg * unroll).max(1);
+    let ws: Vec<wgpu::Buffer> = (0..layers).map(|_| gpu.storage("w", (words.max(1) * 16) as u64)).collect();
+    let ys: Vec<wgpu::Buffer> = (0..if distinct { layers } else { 1 }).map(|_| gpu.storage("y", (groups * 4) as u64)).collect();
+    let bgl = pipe.get_bind_group_layout(0);
+    let bgs: Vec<wgpu::BindGroup> = ws
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &bgl,
+                entries: &[
+                    wgpu::BindGroupEntry { binding: 0, resource: w.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 1, resource: ys[if distinct { i } else { 0 }].as_entire_binding() },
+                ],
+            })
+        })
+        .collect();
+    assert!(gpu.info.timestamps, "stream_bandwidth needs timestamp queries");
+    let (qs, qbuf) = pass_timer(gpu);
+    let mut times = Vec::new();
+    for it in 0..22 {
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        {
+            let tw = wgpu::ComputePassTimestampWrites { query_set: &qs, beginning_of_pass_write_index: Some(0), end_of_pass_write_index: Some(1) };
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(tw) });
+            pass.set_pipeline(&pipe);
+            for bg in &bgs {
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(groups as u32, 1, 1);
+            }
+        }
+        enc.resolve_query_set(&qs, 0..2, &qbuf, 0);
+        gpu.queue.submit([enc.finish()]);
+        gpu.wait().unwrap();
+        if it >= 2 {
+            times.push(pass_seconds(gpu, &qbuf));
+        }
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let per = times[times.len() / 2] / layers as f64;
+    println!(
+        "BENCH stream {mb} MB wg={wg} unroll={unroll} groups={groups} {}: {:.2} us/dispatch, {:.0} GB/s",
+        if distinct { "independent" } else { "dependent" },
+        per * 1e6,
+        (words * 16) as f64 / per / 1e9
     );
 }

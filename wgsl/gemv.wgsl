@@ -112,6 +112,16 @@ fn nscale_v4(w: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(norm_w_scale(w.x, p.norm_mode), norm_w_scale(w.y, p.norm_mode), norm_w_scale(w.z, p.norm_mode), norm_w_scale(w.w, p.norm_mode));
 }
 
+// Norm scales of elements 4j .. 4j + 3.
+fn nw4(j: u32) -> vec4<f32> {
+    if NDT == 2u {
+        return nscale_v4(bitcast<vec4<f32>>(nw[j]));
+    }
+    let w = nw[j >> 1u];
+    let h = select(w.xy, w.zw, (j & 1u) == 1u);
+    return nscale_v4(h16x4(h.x, h.y));
+}
+
 // Block `blk` of x times the norm weight (K % 32 == 0: the weights' block in vec4 loads).
 fn norm_x(v: V8, blk: u32) -> V8 {
     var w: V8;
@@ -155,6 +165,10 @@ fn nscale4(k: u32) -> vec4<f32> {
     return vec4<f32>(nscale1(k), nscale1(k + 1u), nscale1(k + 2u), nscale1(k + 3u));
 }
 
+fn nw4(j: u32) -> vec4<f32> {
+    return nscale4(4u * j);
+}
+
 // Block `blk` of x times the norm weight.
 fn norm_x(v: V8, blk: u32) -> V8 {
     let k = blk * 32u;
@@ -194,6 +208,47 @@ fn blk_dot(d: Blk, xv: V8, xs: f32) -> f32 {
     return d.s * dv;
 //#endif
 }
+
+//#if HALF
+// Half `h` of block `blk` of x row `xr`: vec4s 2i + h of the block (K % 32 == 0).
+fn load_xh(xr: u32, blk: u32, h: u32, K: u32) -> H4 {
+    let b = xr * (K >> 2u) + blk * 8u + h;
+    var v: H4;
+//#repeat 4 i
+    v.v$i = x[b + 2u * $iu];
+//#endrepeat
+    return v;
+}
+
+fn xsum_h(v: H4) -> f32 {
+    let s = (v.v0 + v.v1) + (v.v2 + v.v3);
+    return (s.x + s.y) + (s.z + s.w);
+}
+
+fn blk_dot_h(d: HBlk, xv: H4, xs: f32) -> f32 {
+    var a = d.v.v0 * xv.v0;
+    a = fma(d.v.v1, xv.v1, a);
+    a = fma(d.v.v2, xv.v2, a);
+    a = fma(d.v.v3, xv.v3, a);
+    return d.s * ((a.x + a.y) + (a.z + a.w)) + d.b * xs;
+}
+
+//#if PRENORM
+fn sumsq_h(v: H4) -> f32 {
+    let s = (v.v0 * v.v0 + v.v1 * v.v1) + (v.v2 * v.v2 + v.v3 * v.v3);
+    return (s.x + s.y) + (s.z + s.w);
+}
+
+// The half block times the norm weight: vec4 j of x takes the norm scales of elements 4j..4j+3.
+fn norm_xh(v: H4, blk: u32, h: u32) -> H4 {
+    var o: H4;
+//#repeat 4 i
+    o.v$i = v.v$i * nw4(blk * 8u + 2u * $iu + h);
+//#endrepeat
+    return o;
+}
+//#endif
+//#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -297,6 +352,44 @@ fn main(
 //#endrepeat
             }
 //#else
+//#if HALF
+            for (var hb = lid; hb < 2u * nb; hb += WG) {
+                let blk = hb >> 1u;
+                let h = hb & 1u;
+                var xv = load_xh(xr, blk, h, K);
+//#if PRENORM
+                ss += sumsq_h(xv);
+                xv = norm_xh(xv, blk, h);
+//#endif
+                let xs = xsum_h(xv);
+//#if CAT
+                if sec == 0u {
+//#repeat R r
+                    acc$r += blk_dot_h(dq_half(min(r0 + $ru, nrows - 1u), blk, h, K), xv, xs);
+//#endrepeat
+                } else if sec == 1u {
+//#repeat R r
+                    acc$r += blk_dot_h(dq_half_u(min(r0 + $ru, nrows - 1u), blk, h, K), xv, xs);
+//#endrepeat
+                } else {
+//#if CAT3
+//#repeat R r
+                    acc$r += blk_dot_h(dq_half_v(min(r0 + $ru, nrows - 1u), blk, h, K), xv, xs);
+//#endrepeat
+//#endif
+                }
+//#else
+//#repeat R r
+                acc$r += blk_dot_h(dq_half(wbase + min(r0 + $ru, nrows - 1u), blk, h, K), xv, xs);
+//#endrepeat
+//#endif
+//#if DUAL
+//#repeat R r
+                accu$r += blk_dot_h(dq_half_u(min(r0 + $ru, p.rows - 1u), blk, h, K), xv, xs);
+//#endrepeat
+//#endif
+            }
+//#else
             for (var blk = lid; blk < nb; blk += WG) {
                 var xv = load_x(xr, blk, K);
 //#if PRENORM
@@ -331,6 +424,7 @@ fn main(
 //#endrepeat
 //#endif
             }
+//#endif
 //#endif
 //#if PRENORM
             let rn = 1.0 / sqrt(wg_sum(ss) / f32(K) + p.norm_eps);

@@ -57,6 +57,20 @@ struct Blk {
     b: f32,
 }
 
+// Half a block (GEMV HALF path): 16 decoded elements, value = s * v[i] + b.
+struct H4 {
+    v0: vec4<f32>,
+    v1: vec4<f32>,
+    v2: vec4<f32>,
+    v3: vec4<f32>,
+}
+
+struct HBlk {
+    v: H4,
+    s: f32,
+    b: f32,
+}
+
 // 8 decoded elements.
 struct Oct {
     a: vec4<f32>,
@@ -348,6 +362,27 @@ fn dq_blk(row: u32, blk: u32, K: u32) -> Blk {
 //#endif
     return r;
 }
+
+//#if W_FAST4 && W_AFFINE
+// Half `h` of block `blk` of `row` (affine 4-bit): elements 8i + 4h .. 8i + 4h + 3 of the
+// block for i = 0..3, nibbles 4h .. 4h + 3 of each of its four words (same decoding as dq_blk).
+fn dq_half(row: u32, blk: u32, h: u32, K: u32) -> HBlk {
+    var r: HBlk;
+    let v = wq[row * (K >> 5u) + blk] >> vec4<u32>(h * 16u);
+    let sl = vec4<u32>(19u, 15u, 11u, 7u);
+    let mk = vec4<u32>(0x00780000u);
+    let one = vec4<u32>(0x3f800000u);
+    r.v.v0 = bitcast<vec4<f32>>(((vec4<u32>(v.x) << sl) & mk) | one);
+    r.v.v1 = bitcast<vec4<f32>>(((vec4<u32>(v.y) << sl) & mk) | one);
+    r.v.v2 = bitcast<vec4<f32>>(((vec4<u32>(v.z) << sl) & mk) | one);
+    r.v.v3 = bitcast<vec4<f32>>(((vec4<u32>(v.w) << sl) & mk) | one);
+    let g = row * (K / WGROUP) + blk * 32u / WGROUP;
+    let sc = w_scale(g);
+    r.s = 16.0 * sc;
+    r.b = w_bias(g) - 16.0 * sc;
+    return r;
+}
+//#endif
 
 // Octet `o` of `row`, fully decoded (zeros at or past K).
 fn dq_oct(row: u32, o: u32, K: u32) -> Oct {

@@ -45,6 +45,15 @@ const SAMPLE: &str = include_str!("../../wgsl/sample.wgsl");
 pub const GEMM_MIN_T: usize = 8;
 /// Whether the one-token GEMV walks two blocks per step by default (`MARKBASE_GEMV_BP2=0|1`).
 pub const GEMV_BP2: bool = false;
+
+/// Whether a GEMV walks half blocks: one token, affine 4-bit, K % 32 == 0, one block per step.
+/// Two invocations share each 32-element block, each taking alternate runs of four elements,
+/// so that every vec4 load of activations by a subgroup reads whole 32-byte sectors (an
+/// invocation's own 128-byte block made each load touch as many lines as it has invocations).
+/// Not for the dual GEMV: it reads two weights per step, and whole blocks measured faster.
+fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
+    tt == 1 && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
+}
 /// Largest head dim the attention kernel takes.
 pub const MAX_HEAD_DIM: usize = 512;
 /// Largest rotary pair count of the rope params table.
@@ -70,9 +79,9 @@ fn weights_third() -> &'static str {
 /// weights.wgsl with its bindings moved by `shift` and its names suffixed, structs left out.
 fn weights_renamed(suffix: &str, shift: u32) -> String {
     {
-        const NAMES: [&str; 19] = [
+        const NAMES: [&str; 20] = [
             "wq", "wsc", "wbi", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
-            "oct_codes", "blk_codes", "wf4", "bf16x4", "dq_blk", "dq_oct",
+            "oct_codes", "blk_codes", "wf4", "bf16x4", "dq_blk", "dq_oct", "dq_half",
         ];
         let mut out = String::new();
         let mut in_struct = false;
@@ -270,7 +279,8 @@ impl KernelSpec {
                     .flag("GATHER", gather)
                     .flag("XVEC", xvec)
                     .flag("TT1", tt == 1)
-                    .flag("BP2", bp2 && tt == 1);
+                    .flag("BP2", bp2 && tt == 1)
+                    .flag("HALF", gemv_half(fmt, tt, xvec, bp2, dual));
                 weight_source(s, fmt, true, xvec)
             }
             KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n } => {
@@ -291,6 +301,7 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", true)
                     .flag("BP2", false)
+                    .flag("HALF", gemv_half(fmt, 1, xvec, false, false))
                     .flag("CAT", true)
                     .flag("CAT3", n == 3);
                 weight_source(s, fmt, true, xvec)
@@ -632,6 +643,7 @@ impl Kernels {
             return Err(GpuError::Kernel { name: "norm_geglu".into(), msg: "not a GEMV".into() });
         };
         let rows = (rows / 2).max(1);
+        let wg = if gemv_half(fmt, tt, xvec, false, false) { self.gemv_wg(k, tt, false, false) } else { wg };
         self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true })
     }
 
@@ -664,21 +676,34 @@ impl Kernels {
         let spec = if gemv {
             let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
             let envu = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
-            // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two)
+            // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two, in gemv_wg)
             // 8 rows per workgroup measured best for affine and float weights on the H200;
             // the fp4/fp8 decoders (per-element selects) run out of registers there: 2
             let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
             let rows = envu("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else if tt == 1 { 8 } else { 4 });
             let bp2 = tt == 1 && envu("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
-            let nblk = div_ceil(k, 32) as u32;
-            let steps = if bp2 { nblk.div_ceil(2) } else { nblk };
-            let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
-            let wg = envu("MARKBASE_GEMV_WG").unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg);
+            let wg = self.gemv_wg(k, tt, gemv_half(fmt, tt, xvec, bp2, false), bp2);
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false }
         } else {
             KernelSpec::Gemm { fmt }
         };
         self.matmul_spec(spec)
+    }
+
+    /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
+    /// blocks), up to 256 (128 with several tokens); `MARKBASE_GEMV_WG` overrides it.
+    fn gemv_wg(&self, k: usize, tt: u32, half: bool, bp2: bool) -> u32 {
+        let nblk = div_ceil(k, 32) as u32;
+        let steps = if bp2 {
+            nblk.div_ceil(2)
+        } else if half {
+            2 * nblk
+        } else {
+            nblk
+        };
+        let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
+        let env = std::env::var("MARKBASE_GEMV_WG").ok().and_then(|v| v.parse::<u32>().ok());
+        env.unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg)
     }
 
     /// A matmul launcher for an explicit `Gemv`/`Gemm`/`GroupedGemm` spec (tests, tuning).
