@@ -157,7 +157,8 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
         let key = GraphKey { tokens: 1, all_logits: false, sample: false };
         m.set_profile(Profile::Phases);
         m.reset();
-        let mut tok = m.forward(&prompt[..o.prompt.min(16)], false, None)?.token;
+        // at the context the timed decode runs at (attention reads every cached key)
+        let mut tok = m.forward(&prompt, false, None)?.token;
         tok = m.forward(&[tok], false, None)?.token;
         if let Some(p) = m.gpu_profile() {
             rec["gpu_ms_per_phase"] = json!(p.phases.iter().map(|s| s * 1e3).collect::<Vec<_>>());
