@@ -31,10 +31,10 @@ fn env() -> &'static Env {
         let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
         println!("adapter: {}", gpu.info.summary());
         let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All }).unwrap())];
-        if gpu.info.subgroups {
+        if gpu.info.subgroups && gpu.info.subgroup_min_size >= 8 {
             variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All }).unwrap()));
         } else {
-            println!("adapter has no subgroups: only the subgroup-free path runs");
+            println!("adapter has no subgroups (of 8 invocations or more): only the subgroup-free path runs");
         }
         Env { gpu, variants }
     })

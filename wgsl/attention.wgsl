@@ -13,8 +13,13 @@
 // heads head0.. of a value with x_heads heads per row (a fused q/k/v projection), so q's
 // norm and RoPE need no pass of their own.
 //
-// Prelude consts: WG, DPT (= ceil(D / WG)), QV4 (= ceil(D / 4) rounded for the q tile), NDT
-// (QROPE norm weight dtype). Flags: SUBGROUP, SPLIT, QROPE, HAS_NW.
+// COOP (subgroups of at least 8): scores are computed by groups of eight invocations per key,
+// each reading every eighth vec4 of the key's row, summed by shuffles: a subgroup's loads read
+// whole lines (an invocation per key made each load touch as many rows as invocations).
+//
+// Prelude consts: WG, DPT (= ceil(D / WG)), QV4 (= ceil(D / 4) rounded for the q tile), QPL
+// (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
+// Flags: SUBGROUP, COOP, SPLIT, QROPE, HAS_NW.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
 // 6 rope params (QROPE), 7 norm weight (QROPE with a weight).
 
@@ -152,10 +157,51 @@ fn main(
     var m = NEG_BIG;
     var l = 0.0;
     var o: array<f32, DPT>;
+//#if COOP
+    // eight invocations per key: invocation c of a group holds q's vec4s c, c + 8, ..
+    let kg = lid >> 3u;
+    let c8 = lid & 7u;
+    var qr: array<vec4<f32>, QPL>;
+    for (var i = 0u; i < QPL; i++) {
+        let e = c8 + 8u * i;
+        if e < D4 {
+            qr[i] = qs[e];
+        }
+    }
+//#endif
     for (var j0 = js; j0 < je; j0 += WG) {
         let j = j0 + lid;
         let valid = j < je;
         var s = NEG_BIG;
+//#if COOP
+        // scores: a group of eight reads a key's row in whole 128-byte lines; WG / 8 keys per pass
+        for (var k0 = 0u; k0 < WG; k0 += WG / 8u) {
+            let jk = j0 + k0 + kg;
+            var a = vec4<f32>(0.0);
+            if jk < je {
+                let kb = ((jk % p.S) * p.nkv + kh) * D4;
+                for (var i = 0u; i < QPL; i++) {
+                    let e = c8 + 8u * i;
+                    if e < D4 {
+                        a = fma(qr[i], kc[kb + e], a);
+                    }
+                }
+            }
+            var t = (a.x + a.y) + (a.z + a.w);
+            t += subgroupShuffleXor(t, 1u);
+            t += subgroupShuffleXor(t, 2u);
+            t += subgroupShuffleXor(t, 4u);
+            if c8 == 0u {
+                ps[k0 + kg] = t;
+            }
+        }
+        workgroupBarrier();
+        if valid {
+            slots[lid] = j % p.S;
+            s = ps[lid];
+        }
+        workgroupBarrier();
+//#else
         if valid {
             let slot = j % p.S;
             slots[lid] = slot;
@@ -166,6 +212,7 @@ fn main(
             }
             s = a.x + a.y + a.z + a.w;
         }
+//#endif
         let mn = max(m, wg_max(s));
         let pj = select(0.0, exp(s - mn), valid);
         ps[lid] = pj;

@@ -328,11 +328,13 @@ impl KernelSpec {
                 .c("WG", ATTN_WG)
                 .c("DPT", dpt)
                 .c("QV4", dpt * ATTN_WG / 4)
+                .c("QPL", (dpt * ATTN_WG / 4).div_ceil(8))
                 .c("NDT", qrope.flatten().map_or(2, dt_code))
                 .flag("SPLIT", split)
                 .flag("QROPE", qrope.is_some())
                 .flag("HAS_NW", qrope.flatten().is_some())
-                .flag("SUBGROUP", sg),
+                .flag("SUBGROUP", sg)
+                .flag("COOP", sg && std::env::var("MARKBASE_ATTN_COOP").map_or(true, |v| v != "0")),
             KernelSpec::AttnCombine => Source::new(&[COMMON, ATTN_COMBINE]).c("WG", 64),
             KernelSpec::GeGlu => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("GEGLU", true),
             KernelSpec::Binary { b } => {
@@ -461,16 +463,18 @@ impl ShaderChecks {
 /// How pipelines are built.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelOptions {
-    /// Use the subgroup variants (requires the device's SUBGROUP feature).
+    /// Use the subgroup variants (requires the device's SUBGROUP feature and subgroups of at
+    /// least 8 invocations: attention's scores shuffle within groups of eight).
     pub subgroups: bool,
     /// Injected runtime checks; anything but `All` goes through `create_shader_module_trusted`.
     pub checks: ShaderChecks,
 }
 
 impl KernelOptions {
-    /// Subgroups when the device has them; checks from [`ShaderChecks::from_env`].
+    /// Subgroups when the device has them (of 8 invocations or more); checks from
+    /// [`ShaderChecks::from_env`].
     pub fn for_gpu(gpu: &Gpu) -> Self {
-        KernelOptions { subgroups: gpu.info.subgroups, checks: ShaderChecks::from_env() }
+        KernelOptions { subgroups: gpu.info.subgroups && gpu.info.subgroup_min_size >= 8, checks: ShaderChecks::from_env() }
     }
 }
 
@@ -1390,7 +1394,8 @@ pub fn attention_splits(slots: usize, heads: usize, t: usize) -> usize {
     if t > 1 {
         return 1;
     }
-    let by_len = slots.div_ceil(256);
+    let keys = std::env::var("MARKBASE_ATTN_SPLIT_KEYS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&k| k > 0).unwrap_or(256);
+    let by_len = slots.div_ceil(keys);
     let by_occupancy = 256usize.div_ceil(heads.max(1));
     by_len.min(by_occupancy).clamp(1, 64)
 }
