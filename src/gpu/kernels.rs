@@ -1389,12 +1389,14 @@ impl AttentionKernel {
 }
 
 /// A split count for decode attention: enough workgroups to fill a large GPU when
-/// `heads * tokens` alone cannot, at least 256 keys per split.
+/// `heads * tokens` alone cannot, a split per 32 cache slots (`MARKBASE_ATTN_SPLIT_KEYS`),
+/// at most 256 workgroups' worth. On the H200 32 keys per split decoded 12B 27% faster
+/// than 256 at a 512-token context: a workgroup walks its keys serially.
 pub fn attention_splits(slots: usize, heads: usize, t: usize) -> usize {
     if t > 1 {
         return 1;
     }
-    let keys = std::env::var("MARKBASE_ATTN_SPLIT_KEYS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&k| k > 0).unwrap_or(256);
+    let keys = std::env::var("MARKBASE_ATTN_SPLIT_KEYS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&k| k > 0).unwrap_or(32);
     let by_len = slots.div_ceil(keys);
     let by_occupancy = 256usize.div_ceil(heads.max(1));
     by_len.min(by_occupancy).clamp(1, 64)
