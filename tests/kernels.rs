@@ -30,9 +30,9 @@ fn env() -> &'static Env {
     ENV.get_or_init(|| {
         let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
         println!("adapter: {}", gpu.info.summary());
-        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All }).unwrap())];
+        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All, half_blocks: true }).unwrap())];
         if gpu.info.subgroups && gpu.info.subgroup_min_size >= 8 {
-            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All }).unwrap()));
+            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All, half_blocks: true }).unwrap()));
         } else {
             println!("adapter has no subgroups (of 8 invocations or more): only the subgroup-free path runs");
         }
@@ -221,12 +221,14 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
         let mut kernels: Vec<(String, MatMulKernel)> = Vec::new();
         for (label, ks) in &e.variants {
             let mm = ks.matmul(fmt, k, t, false).unwrap();
-            // the one-token GEMV both with one and with two blocks per step
-            if let KernelSpec::Gemv { bp2, .. } = mm.spec {
-                if t == 1 {
-                    let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, norm, dual, .. } = mm.spec else { unreachable!() };
-                    let other = KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual };
-                    kernels.push((format!("{label} bp2={}", !bp2), ks.matmul_spec(other).unwrap()));
+            // the one-token GEMV also with two blocks per step, and with whole blocks where it
+            // takes half blocks (as on CPU adapters)
+            if let KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2, norm, dual, half } = mm.spec {
+                let other = KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2: !bp2, norm, dual, half };
+                kernels.push((format!("{label} bp2={}", !bp2), ks.matmul_spec(other).unwrap()));
+                if mm.kernel.name.contains(" half") {
+                    let whole = KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2, norm, dual, half: false };
+                    kernels.push((format!("{label} whole blocks"), ks.matmul_spec(whole).unwrap()));
                 }
             }
             kernels.push((label.to_string(), mm));
@@ -587,10 +589,11 @@ fn norm_matmul_formats() {
             let nwb = nwt.as_ref().map(|t| gpu.upload("nw", &t.bytes));
             for (label, ks) in &e.variants {
                 let mm = ks.norm_matmul(fmt, k, nt).unwrap();
-                let KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual } = mm.spec else { panic!("not a GEMV") };
+                let KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual, half } = mm.spec else { panic!("not a GEMV") };
                 assert_eq!(norm, Some(nt));
-                let other = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual }).unwrap();
-                for (v, mm) in [("", &mm), (" other bp2", &other)] {
+                let other = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual, half }).unwrap();
+                let whole = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual, half: !half }).unwrap();
+                for (v, mm) in [("", &mm), (" other bp2", &other), (" other half", &whole)] {
                     let y = gpu.storage("y", (n * 4) as u64);
                     let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
                     let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
@@ -1167,7 +1170,7 @@ fn gemv_bandwidth() {
             for sg in [false, true] {
                 if !sg || gpu.info.subgroups {
                     let label = format!("{}{c:?}", if sg { "subgroup " } else { "plain " });
-                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c }).unwrap()));
+                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c, half_blocks: true }).unwrap()));
                 }
             }
         }

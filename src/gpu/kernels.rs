@@ -136,15 +136,16 @@ fn dt_code(t: FloatType) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
     /// `wg` invocations, `rows` rows and `tt` tokens per workgroup; `xvec`: K % 32 == 0;
-    /// `bp2`: two 32-element blocks per invocation and step (`tt == 1` only);
+    /// `bp2`: two 32-element blocks per invocation and step (`tt == 1` only); `half`: half
+    /// blocks where the kernel allows them (see `gemv_half`);
     /// `norm`: an RMSNorm of x fused in front (`tt == 1`, not gathered), with its
     /// weight's dtype (`Some(None)`: no weight).
     /// `dual`: two weights (gate and up) whose rows combine as `gelu(gate) * up` (`tt == 1`,
     /// not gathered, not `bp2`).
-    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>>, dual: bool },
+    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>>, dual: bool, half: bool },
     /// One token, a fused norm (weight dtype `norm`) and `n` (2 or 3) weights of one format
     /// whose outputs lie side by side (`Op::NormMatMul` over q, k and v).
-    GemvCat { fmt: GpuFormat, wg: u32, rows: u32, xvec: bool, norm: Option<FloatType>, n: u32 },
+    GemvCat { fmt: GpuFormat, wg: u32, rows: u32, xvec: bool, norm: Option<FloatType>, n: u32, half: bool },
     Gemm { fmt: GpuFormat },
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
@@ -214,8 +215,8 @@ impl KernelSpec {
 
     pub fn name(&self) -> String {
         match self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual } => format!(
-                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}{}]",
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => format!(
+                "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}{}{}]",
                 fmt.describe(),
                 if *dual { " geglu" } else { "" },
                 match norm {
@@ -223,13 +224,15 @@ impl KernelSpec {
                     None => String::new(),
                 },
                 if *bp2 { " bp2" } else { "" },
+                if *half && gemv_half(*fmt, *tt, *xvec, *bp2, *dual) { " half" } else { "" },
                 if *gather { " gather" } else { "" },
                 if *xvec { "" } else { " masked" }
             ),
-            KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n } => format!(
-                "gemv[{} wg{wg} r{rows} t1 cat{n} norm[{}]{}]",
+            KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => format!(
+                "gemv[{} wg{wg} r{rows} t1 cat{n} norm[{}]{}{}]",
                 fmt.describe(),
                 norm.map_or("none", |t| t.name()),
+                if *half && gemv_half(*fmt, 1, *xvec, false, false) { " half" } else { "" },
                 if *xvec { "" } else { " masked" }
             ),
             KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
@@ -262,7 +265,7 @@ impl KernelSpec {
     pub fn source(&self, subgroups: bool) -> Source {
         let sg = subgroups && self.uses_subgroups();
         match *self {
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual } => {
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => {
                 let files: &[&'static str] = if dual { &[COMMON, WEIGHTS, weights_second(), GEMV] } else { &[COMMON, WEIGHTS, GEMV] };
                 let rs = rows * tt * if dual { 2 } else { 1 };
                 let s = Source::new(files)
@@ -280,10 +283,10 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", tt == 1)
                     .flag("BP2", bp2 && tt == 1)
-                    .flag("HALF", gemv_half(fmt, tt, xvec, bp2, dual));
+                    .flag("HALF", half && gemv_half(fmt, tt, xvec, bp2, dual));
                 weight_source(s, fmt, true, xvec)
             }
-            KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n } => {
+            KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => {
                 let files: &[&'static str] =
                     if n == 3 { &[COMMON, WEIGHTS, weights_second(), weights_third(), GEMV] } else { &[COMMON, WEIGHTS, weights_second(), GEMV] };
                 let s = Source::new(files)
@@ -301,7 +304,7 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", true)
                     .flag("BP2", false)
-                    .flag("HALF", gemv_half(fmt, 1, xvec, false, false))
+                    .flag("HALF", half && gemv_half(fmt, 1, xvec, false, false))
                     .flag("CAT", true)
                     .flag("CAT3", n == 3);
                 weight_source(s, fmt, true, xvec)
@@ -366,15 +369,21 @@ impl KernelSpec {
                         if bp2 && tt != 1 {
                             continue;
                         }
-                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false });
-                        if tt == 1 && !gather {
-                            let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
-                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false });
-                            if !bp2 {
-                                v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true });
-                                if !fmt.has_global() {
-                                    for n in [2, 3] {
-                                        v.push(KernelSpec::GemvCat { fmt, wg: 128, rows: 4, xvec, norm: norm.flatten(), n });
+                        // half blocks and, where they apply, whole blocks
+                        let halves: &[bool] = if gemv_half(fmt, tt, xvec, bp2, false) { &[true, false] } else { &[true] };
+                        for &half in halves {
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false, half });
+                            if tt == 1 && !gather {
+                                let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
+                                v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half });
+                                if !bp2 {
+                                    if half {
+                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true, half });
+                                    }
+                                    if !fmt.has_global() {
+                                        for n in [2, 3] {
+                                            v.push(KernelSpec::GemvCat { fmt, wg: 128, rows: 4, xvec, norm: norm.flatten(), n, half });
+                                        }
                                     }
                                 }
                             }
@@ -468,13 +477,21 @@ pub struct KernelOptions {
     pub subgroups: bool,
     /// Injected runtime checks; anything but `All` goes through `create_shader_module_trusted`.
     pub checks: ShaderChecks,
+    /// One-token affine 4-bit GEMVs over half blocks (two invocations per block: coalesced
+    /// activation loads on a GPU); whole blocks cost less on a CPU adapter, where there is
+    /// nothing to coalesce and twice the invocations cost twice the scale loads and sums.
+    pub half_blocks: bool,
 }
 
 impl KernelOptions {
     /// Subgroups when the device has them (of 8 invocations or more); checks from
-    /// [`ShaderChecks::from_env`].
+    /// [`ShaderChecks::from_env`]; half blocks unless the adapter is a CPU.
     pub fn for_gpu(gpu: &Gpu) -> Self {
-        KernelOptions { subgroups: gpu.info.subgroups && gpu.info.subgroup_min_size >= 8, checks: ShaderChecks::from_env() }
+        KernelOptions {
+            subgroups: gpu.info.subgroups && gpu.info.subgroup_min_size >= 8,
+            checks: ShaderChecks::from_env(),
+            half_blocks: gpu.info.device_type != "cpu",
+        }
     }
 }
 
@@ -643,12 +660,12 @@ impl Kernels {
     /// the dual GEMV, half the rows per workgroup of each weight.
     pub fn norm_geglu(&self, fmt: GpuFormat, k: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
         let m = self.matmul_with(fmt, k, 1, false, Some(norm))?;
-        let KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, norm, .. } = m.spec else {
+        let KernelSpec::Gemv { fmt, rows, tt, gather, xvec, norm, .. } = m.spec else {
             return Err(GpuError::Kernel { name: "norm_geglu".into(), msg: "not a GEMV".into() });
         };
         let rows = (rows / 2).max(1);
-        let wg = if gemv_half(fmt, tt, xvec, false, false) { self.gemv_wg(k, tt, false, false) } else { wg };
-        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true })
+        let wg = self.gemv_wg(k, tt, false, false);
+        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true, half: false })
     }
 
     /// `Op::NormMatMul` over several weights in one dispatch, when they allow it: two or three,
@@ -661,13 +678,15 @@ impl Kernels {
             return Ok(None);
         }
         let m = self.matmul_with(w0.format, w0.k, 1, false, Some(norm))?;
-        let KernelSpec::Gemv { fmt, wg, rows, xvec, .. } = m.spec else {
+        let KernelSpec::Gemv { fmt, wg, rows, xvec, half, .. } = m.spec else {
             return Ok(None);
         };
         // half the rows of a plain GEMV per workgroup (like the dual GEMV): each row group is
-        // unrolled once per weight
+        // unrolled once per weight; at most 128 invocations (measured faster than 256 on the
+        // H200 for Gemma 3 12B's q/k/v, K = 3840), unless overridden
         let rows = (rows / 2).max(1);
-        Ok(Some(self.matmul_spec(KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n: ws.len() as u32 })?))
+        let wg = if std::env::var("MARKBASE_GEMV_WG").is_ok() { wg } else { wg.min(128) };
+        Ok(Some(self.matmul_spec(KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n: ws.len() as u32, half })?))
     }
 
     fn matmul_with(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>) -> Result<MatMulKernel, GpuError> {
@@ -686,8 +705,9 @@ impl Kernels {
             let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
             let rows = envu("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else if tt == 1 { 8 } else { 4 });
             let bp2 = tt == 1 && envu("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
-            let wg = self.gemv_wg(k, tt, gemv_half(fmt, tt, xvec, bp2, false), bp2);
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false }
+            let half = self.opts.half_blocks && gemv_half(fmt, tt, xvec, bp2, false);
+            let wg = self.gemv_wg(k, tt, half, bp2);
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
         } else {
             KernelSpec::Gemm { fmt }
         };

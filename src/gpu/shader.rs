@@ -69,9 +69,10 @@ pub fn preprocess(src: &str, flags: &BTreeSet<String>) -> String {
     preprocess_with(src, flags, &[])
 }
 
-/// [`preprocess`] with `//#repeat` counts resolved against `consts`.
+/// [`preprocess`] with `//#repeat` counts resolved against `consts`: the conditions are applied
+/// first, so a repeat in a branch left out may count by a const this kernel lacks.
 pub fn preprocess_with(src: &str, flags: &BTreeSet<String>, consts: &[(String, u32)]) -> String {
-    let expanded = expand_repeats(src, consts);
+    let expanded = src;
     // Stack of (this branch active, some branch of this if already taken, parent active).
     let mut stack: Vec<(bool, bool, bool)> = Vec::new();
     let mut active = true;
@@ -108,7 +109,7 @@ pub fn preprocess_with(src: &str, flags: &BTreeSet<String>, consts: &[(String, u
         }
     }
     assert!(stack.is_empty(), "unterminated //#if");
-    out
+    expand_repeats(&out, consts)
 }
 
 /// Expands `//#repeat N VAR` blocks (innermost last, so nested repeats see outer indices).
