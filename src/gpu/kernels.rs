@@ -378,7 +378,8 @@ impl KernelSpec {
                                 v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half });
                                 if !bp2 {
                                     if half {
-                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true, half });
+                                        // the dual GEMV walks whole blocks
+                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true, half: false });
                                     }
                                     if !fmt.has_global() {
                                         for n in [2, 3] {
@@ -559,6 +560,16 @@ fn env_u32(name: &str) -> Option<u32> {
     std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok())
 }
 
+/// A GEMV workgroup size from `gemv_wg` held to at most `cap` invocations, unless
+/// `MARKBASE_GEMV_WG` sets it.
+fn gemv_wg_capped(wg: u32, cap: u32) -> u32 {
+    if env_u32("MARKBASE_GEMV_WG").is_some() {
+        wg
+    } else {
+        wg.min(cap)
+    }
+}
+
 fn div_ceil(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
@@ -670,10 +681,7 @@ impl Kernels {
         };
         let rows = env_u32("MARKBASE_GEMV_DUAL_ROWS").unwrap_or((rows / 2).max(1));
         // at most 128 invocations: Gemma 4 31B's gate/up (K = 5376) measured 5% faster than at 256
-        let wg = env_u32("MARKBASE_GEMV_DUAL_WG").unwrap_or_else(|| {
-            let wg = self.gemv_wg(k, tt, false, false);
-            if std::env::var("MARKBASE_GEMV_WG").is_ok() { wg } else { wg.min(128) }
-        });
+        let wg = env_u32("MARKBASE_GEMV_DUAL_WG").unwrap_or_else(|| gemv_wg_capped(self.gemv_wg(k, tt, false, false), 128));
         self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true, half: false })
     }
 
@@ -694,7 +702,7 @@ impl Kernels {
         // unrolled once per weight; at most 128 invocations (measured faster than 256 on the
         // H200 for Gemma 3 12B's q/k/v, K = 3840), unless overridden
         let rows = env_u32("MARKBASE_GEMV_CAT_ROWS").unwrap_or((rows / 2).max(1));
-        let wg = env_u32("MARKBASE_GEMV_CAT_WG").unwrap_or(if std::env::var("MARKBASE_GEMV_WG").is_ok() { wg } else { wg.min(128) });
+        let wg = env_u32("MARKBASE_GEMV_CAT_WG").unwrap_or(gemv_wg_capped(wg, 128));
         Ok(Some(self.matmul_spec(KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n: ws.len() as u32, half })?))
     }
 
@@ -707,13 +715,12 @@ impl Kernels {
         let gemv = gather || t < GEMM_MIN_T;
         let spec = if gemv {
             let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
-            let envu = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
             // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two, in gemv_wg)
             // 8 rows per workgroup measured best for affine and float weights on the H200;
             // the fp4/fp8 decoders (per-element selects) run out of registers there: 2
             let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
-            let rows = envu("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else if tt == 1 { 8 } else { 4 });
-            let bp2 = tt == 1 && envu("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
+            let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else if tt == 1 { 8 } else { 4 });
+            let bp2 = tt == 1 && env_u32("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
             let half = self.opts.half_blocks && gemv_half(fmt, tt, xvec, bp2, false);
             let wg = self.gemv_wg(k, tt, half, bp2);
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
@@ -735,7 +742,7 @@ impl Kernels {
             nblk
         };
         let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
-        let env = std::env::var("MARKBASE_GEMV_WG").ok().and_then(|v| v.parse::<u32>().ok());
+        let env = env_u32("MARKBASE_GEMV_WG");
         env.unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg)
     }
 

@@ -72,12 +72,11 @@ pub fn preprocess(src: &str, flags: &BTreeSet<String>) -> String {
 /// [`preprocess`] with `//#repeat` counts resolved against `consts`: the conditions are applied
 /// first, so a repeat in a branch left out may count by a const this kernel lacks.
 pub fn preprocess_with(src: &str, flags: &BTreeSet<String>, consts: &[(String, u32)]) -> String {
-    let expanded = src;
     // Stack of (this branch active, some branch of this if already taken, parent active).
     let mut stack: Vec<(bool, bool, bool)> = Vec::new();
     let mut active = true;
-    let mut out = String::with_capacity(expanded.len());
-    for line in expanded.lines() {
+    let mut out = String::with_capacity(src.len());
+    for line in src.lines() {
         let t = line.trim_start();
         if let Some(rest) = t.strip_prefix("//#if ") {
             let c = eval(rest, flags);
