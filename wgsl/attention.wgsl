@@ -4,8 +4,9 @@
 //
 // One workgroup per (head, token, split). Keys of the query's range are cut into
 // `nsplit` contiguous parts; each workgroup walks its part in tiles of WG keys (one
-// key per invocation for the score, then every invocation accumulates its output
-// dims d = lid + i*WG, i < DPT). With nsplit == 1 the result is written to out;
+// key per invocation for the score; then the values: invocation lid accumulates the vec4
+// of dims lid % D4 over the tile's keys lid / D4, lid / D4 + WG / D4, .., four loads at a
+// time, and the WG / D4 key lanes are summed at the end). With nsplit == 1 the result is written to out;
 // otherwise (SPLIT) out receives per split [D unnormalized outputs, max, sum] and
 // attn_combine.wgsl merges them.
 //
@@ -17,7 +18,7 @@
 // each reading every eighth vec4 of the key's row, summed by shuffles: a subgroup's loads read
 // whole lines (an invocation per key made each load touch as many rows as invocations).
 //
-// Prelude consts: WG, DPT (= ceil(D / WG)), QV4 (= ceil(D / 4) rounded for the q tile), QPL
+// Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded for the q tile), QPL
 // (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
 // Flags: SUBGROUP, COOP, SPLIT, QROPE, HAS_NW.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
@@ -42,7 +43,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
 @group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> vc: array<f32>;
+@group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
 
 var<workgroup> qs: array<vec4<f32>, QV4>;
@@ -80,6 +81,7 @@ fn q_norm_scale(i: u32) -> f32 {
 }
 //#endif
 var<workgroup> ps: array<f32, WG>;
+var<workgroup> ov: array<vec4<f32>, WG>;
 var<workgroup> slots: array<u32, WG>;
 var<workgroup> wpos: u32;
 
@@ -156,7 +158,11 @@ fn main(
 
     var m = NEG_BIG;
     var l = 0.0;
-    var o: array<f32, DPT>;
+    // V: invocation lid owns dims 4dv..4dv + 3 of key lane vl (nvl lanes, D4 <= WG)
+    let nvl = WG / D4;
+    let dv = lid % D4;
+    let vl = lid / D4;
+    var o4 = vec4<f32>(0.0);
 //#if COOP
     // eight invocations per key: invocation c of a group holds q's vec4s c, c + 8, ..
     let kg = lid >> 3u;
@@ -172,10 +178,12 @@ fn main(
     for (var j0 = js; j0 < je; j0 += WG) {
         let j = j0 + lid;
         let valid = j < je;
+        let cnt = min(WG, je - j0);
         var s = NEG_BIG;
 //#if COOP
-        // scores: a group of eight reads a key's row in whole 128-byte lines; WG / 8 keys per pass
-        for (var k0 = 0u; k0 < WG; k0 += WG / 8u) {
+        // scores: a group of eight reads a key's row in whole 128-byte lines; WG / 8 keys per
+        // pass, as many passes as the tile has keys (cnt is uniform)
+        for (var k0 = 0u; k0 < cnt; k0 += WG / 8u) {
             let jk = j0 + k0 + kg;
             var a = vec4<f32>(0.0);
             if jk < je {
@@ -220,29 +228,45 @@ fn main(
         let alpha = exp(m - mn);
         l = l * alpha + lt;
         m = mn;
-        let cnt = min(WG, je - j0);
-        for (var i = 0u; i < DPT; i++) {
-            o[i] *= alpha;
-        }
-        for (var kk = 0u; kk < cnt; kk++) {
-            let w = ps[kk];
-            let vb = (slots[kk] * p.nkv + kh) * D;
-            for (var i = 0u; i < DPT; i++) {
-                let d = lid + i * WG;
-                if d < D {
-                    o[i] = fma(w, vc[vb + d], o[i]);
-                }
+        o4 *= alpha;
+        if vl < nvl {
+            // lane vl takes keys vl, vl + nvl, ..: four per step, their loads issued together
+            var kk = vl;
+            for (; kk + 3u * nvl < cnt; kk += 4u * nvl) {
+                let k1 = kk + nvl;
+                let k2 = k1 + nvl;
+                let k3 = k2 + nvl;
+                let v0 = vc[(slots[kk] * p.nkv + kh) * D4 + dv];
+                let v1 = vc[(slots[k1] * p.nkv + kh) * D4 + dv];
+                let v2 = vc[(slots[k2] * p.nkv + kh) * D4 + dv];
+                let v3 = vc[(slots[k3] * p.nkv + kh) * D4 + dv];
+                o4 = fma(vec4<f32>(ps[kk]), v0, o4);
+                o4 = fma(vec4<f32>(ps[k1]), v1, o4);
+                o4 = fma(vec4<f32>(ps[k2]), v2, o4);
+                o4 = fma(vec4<f32>(ps[k3]), v3, o4);
+            }
+            for (; kk < cnt; kk += nvl) {
+                o4 = fma(vec4<f32>(ps[kk]), vc[(slots[kk] * p.nkv + kh) * D4 + dv], o4);
             }
         }
         workgroupBarrier();
     }
+    // the key lanes' partial outputs summed: lane 0 holds dims 4dv..4dv + 3
+    ov[lid] = o4;
+    workgroupBarrier();
+    if vl == 0u {
+        for (var g = 1u; g < nvl; g++) {
+            o4 += ov[g * D4 + dv];
+        }
+    }
 //#if SPLIT
     let ob = ((t * p.nq + h) * p.nsplit + sp) * (D + 2u);
-    for (var i = 0u; i < DPT; i++) {
-        let d = lid + i * WG;
-        if d < D {
-            out[ob + d] = o[i];
-        }
+    if lid < D4 {
+        let d = 4u * dv;
+        out[ob + d] = o4.x;
+        out[ob + d + 1u] = o4.y;
+        out[ob + d + 2u] = o4.z;
+        out[ob + d + 3u] = o4.w;
     }
     if lid == 0u {
         out[ob + D] = m;
@@ -250,11 +274,13 @@ fn main(
     }
 //#else
     let ob = (t * p.nq + h) * D;
-    for (var i = 0u; i < DPT; i++) {
-        let d = lid + i * WG;
-        if d < D {
-            out[ob + d] = o[i] / l;
-        }
+    if lid < D4 {
+        let d = 4u * dv;
+        let r = o4 / l;
+        out[ob + d] = r.x;
+        out[ob + d + 1u] = r.y;
+        out[ob + d + 2u] = r.z;
+        out[ob + d + 3u] = r.w;
     }
 //#endif
 }
