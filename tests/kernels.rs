@@ -535,14 +535,20 @@ fn rms_norm_all_scales() {
             let res = randn(&mut r, rows * d, 3.0);
             let resb = gpu.upload_f32("res", &res);
             let want_res: Vec<f32> = want.iter().zip(&res).map(|(a, b)| a + b).collect();
+            // and that sum times a scalar weight (stored as the norm weight is, f32 without one)
+            let sdt = wt.unwrap_or(FloatType::F32);
+            let st = float_tensor(sdt, &[1], &[-0.37]);
+            let s = st.to_f32()[0];
+            let sb = gpu.upload("s", &st.bytes);
+            let want_scaled: Vec<f32> = want_res.iter().map(|v| v * s).collect();
             for (label, ks) in &e.variants {
-                for with_res in [false, true] {
-                    let k = ks.rms_norm(wt, with_res).unwrap();
+                for (what, want) in [("rms_norm", &want), ("rms_norm_add", &want_res), ("rms_norm_add scaled", &want_scaled)] {
+                    let (with_res, scaled) = (what != "rms_norm", what.ends_with("scaled"));
+                    let k = if scaled { ks.rms_norm_add_scaled(wt, sdt) } else { ks.rms_norm(wt, with_res) }.unwrap();
                     let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
                     let out = gpu.storage("out", (rows * d * 4) as u64);
-                    let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref(), with_res.then_some(&resb));
+                    let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref(), with_res.then_some(&resb), scaled.then_some(&sb));
                     run(gpu, |pass| k.dispatch(pass, &bg, rows));
-                    let (what, want) = if with_res { ("rms_norm_add", &want_res) } else { ("rms_norm", &want) };
                     check(&format!("{what} {scale:?} {wt:?} [{label}] D={d}"), &gpu.read_f32(&out, rows * d).unwrap(), want);
                 }
             }
@@ -657,7 +663,8 @@ fn rope_matches_cpu_up_to_32k() {
     let mut r = rng("rope");
     let e = env();
     let gpu = &e.gpu;
-    for (theta, factor, d, pairs) in [(10_000f32, 1f32, 64usize, 32usize), (1_000_000.0, 8.0, 128, 48), (10_000.0, 1.0, 512, 256)] {
+    // pairs 0: a norm alone (Gemma 4's v norm, written to its cache)
+    for (theta, factor, d, pairs) in [(10_000f32, 1f32, 64usize, 32usize), (1_000_000.0, 8.0, 128, 48), (10_000.0, 1.0, 512, 256), (1.0, 1.0, 32, 0)] {
         let (t, heads) = (6usize, 3usize);
         let mut pos: Vec<u32> = (0..t).map(|_| r.gen_range(0..32768)).collect();
         pos[0] = 0;
@@ -1054,7 +1061,6 @@ fn sample_matches_cpu() {
     let mut r = rng("sample");
     let e = env();
     let gpu = &e.gpu;
-    let k = markbase::gpu::sample::kernel(gpu, &e.variants[0].1).unwrap();
     let base = SampleParams::default();
     let cases = [
         SampleParams { temperature: 0.0, ..base },
@@ -1064,10 +1070,13 @@ fn sample_matches_cpu() {
         SampleParams { temperature: 1.3, top_p: 0.9, ..base },
         SampleParams { temperature: 1.0, min_p: 0.05, ..base },
         SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.3, ..base },
+        // a top-k set spanning several chunks of the sampler
+        SampleParams { temperature: 1.0, top_k: 3000, top_p: 0.5, repetition_penalty: 0.8, ..base },
     ];
-    for (t, v) in [(2usize, 1000usize), (1, 262_144)] {
-        // V=1000: a flat distribution (many tokens in play); V=262144: logits spread like a
-        // language model's (most mass on a few thousand tokens). Duplicates near the top
+    for (t, v) in [(2usize, 1000usize), (1, 262_144), (1, 5000)] {
+        // V=1000: a flat distribution (many tokens in play), less than one chunk of the
+        // sampler; V=262144: logits spread like a language model's (most mass on a few
+        // thousand tokens); V=5000: a partial last chunk. Duplicates near the top
         // exercise ties in top-k / top-p. (On a flat 262144-token distribution the f32 GPU
         // and the f64 CPU may pick adjacent tokens when u falls within ~1e-7 of a boundary.)
         let amp = if v > 1000 { 6.0 } else { 2.0 };
@@ -1078,6 +1087,7 @@ fn sample_matches_cpu() {
         let lb = gpu.upload_f32("l", &l);
         let rb = gpu.upload_u32("recent", &recent);
         let p = gpu.uniform("p", &ArgmaxParams::last_row(t, v));
+        let sampler = markbase::gpu::sample::Sampler::new(gpu, &e.variants[0].1, v).unwrap();
         let mut picks = std::collections::BTreeSet::new();
         let mut mismatches = 0;
         for sp in cases {
@@ -1088,8 +1098,8 @@ fn sample_matches_cpu() {
                 let want = cpu::sample(&l[(t - 1) * v..], &words, &recent);
                 let wb = gpu.upload_u32("words", &words);
                 let out = gpu.storage("out", 4);
-                let bg = k.bind_buffers(&gpu.device, &[(0, &p), (1, &lb), (2, &wb), (3, &rb), (4, &out)]);
-                run(gpu, |pass| k.dispatch(pass, &bg, [1, 1, 1]));
+                let ds = sampler.dispatches(&gpu.device, &p, &lb, &wb, &rb, &out);
+                run(gpu, |pass| markbase::gpu::sample::Sampler::record(pass, &ds));
                 let got = gpu.read_u32(&out, 1).unwrap()[0];
                 let row = &l[(t - 1) * v..];
                 // the replica agrees with the CPU on its own pick
@@ -1129,6 +1139,39 @@ fn pass_seconds(gpu: &Gpu, qbuf: &wgpu::Buffer) -> f64 {
     let ts = gpu.read_u32(qbuf, 4).unwrap();
     let (t0, t1) = (ts[0] as u64 | (ts[1] as u64) << 32, ts[2] as u64 | (ts[3] as u64) << 32);
     t1.saturating_sub(t0) as f64 * gpu.queue.get_timestamp_period() as f64 * 1e-9
+}
+
+/// Median seconds of `runs` passes recorded by `record` (after two warm-up passes): between
+/// timestamps at the pass's start and end where the adapter has them, else wall-clock time of
+/// the submission.
+fn median_pass_seconds(gpu: &Gpu, runs: usize, mut record: impl FnMut(&mut wgpu::ComputePass<'_>)) -> f64 {
+    let (qs, qbuf) = pass_timer(gpu);
+    let qs = gpu.info.timestamps.then_some(qs);
+    let mut times = Vec::new();
+    for it in 0..runs + 2 {
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        {
+            let tw = qs.as_ref().map(|q| wgpu::ComputePassTimestampWrites {
+                query_set: q,
+                beginning_of_pass_write_index: Some(0),
+                end_of_pass_write_index: Some(1),
+            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: tw });
+            record(&mut pass);
+        }
+        if let Some(q) = &qs {
+            enc.resolve_query_set(q, 0..2, &qbuf, 0);
+        }
+        let t0 = std::time::Instant::now();
+        gpu.queue.submit([enc.finish()]);
+        gpu.wait().unwrap();
+        let wall = t0.elapsed().as_secs_f64();
+        if it >= 2 {
+            times.push(if qs.is_some() { pass_seconds(gpu, &qbuf) } else { wall });
+        }
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times[times.len() / 2]
 }
 
 /// Decode GEMV bandwidth: `cargo test --release --test kernels -- --ignored gemv_bandwidth --nocapture`.
@@ -1207,40 +1250,11 @@ fn gemv_bandwidth() {
                     }
                 })
                 .collect();
-            let (qs, qbuf) = pass_timer(gpu);
-            let qs = gpu.info.timestamps.then_some(qs);
-            let mut times = Vec::new();
-            for it in 0..iters + 2 {
-                let mut enc = gpu.device.create_command_encoder(&Default::default());
-                {
-                    let tw = qs.as_ref().map(|q| wgpu::ComputePassTimestampWrites {
-                        query_set: q,
-                        beginning_of_pass_write_index: Some(0),
-                        end_of_pass_write_index: Some(1),
-                    });
-                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: tw });
-                    for bg in &bgs {
-                        mm.dispatch(&mut pass, bg, &d);
-                    }
+            let med = median_pass_seconds(gpu, iters, |pass| {
+                for bg in &bgs {
+                    mm.dispatch(pass, bg, &d);
                 }
-                if let Some(q) = &qs {
-                    enc.resolve_query_set(q, 0..2, &qbuf, 0);
-                }
-                let t0 = std::time::Instant::now();
-                gpu.queue.submit([enc.finish()]);
-                gpu.wait().unwrap();
-                let wall = t0.elapsed().as_secs_f64();
-                let secs = if qs.is_some() {
-                    pass_seconds(gpu, &qbuf)
-                } else {
-                    wall
-                };
-                if it >= 2 {
-                    times.push(secs);
-                }
-            }
-            times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let med = times[times.len() / 2];
+            });
             let per = med / layers as f64;
             let bytes_per_layer = if kind == "geglu" { 2.0 * bytes_per_layer } else { bytes_per_layer };
             println!(
@@ -1250,7 +1264,7 @@ fn gemv_bandwidth() {
                 per * 1e6,
                 bytes_per_layer / per / 1e9,
                 bytes_per_layer / 1e6,
-                if qs.is_some() { "timestamps" } else { "wall clock" }
+                if gpu.info.timestamps { "timestamps" } else { "wall clock" }
             );
         }
     }
@@ -1382,32 +1396,55 @@ fn stream_bandwidth() {
         })
         .collect();
     assert!(gpu.info.timestamps, "stream_bandwidth needs timestamp queries");
-    let (qs, qbuf) = pass_timer(gpu);
-    let mut times = Vec::new();
-    for it in 0..22 {
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        {
-            let tw = wgpu::ComputePassTimestampWrites { query_set: &qs, beginning_of_pass_write_index: Some(0), end_of_pass_write_index: Some(1) };
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: Some(tw) });
-            pass.set_pipeline(&pipe);
-            for bg in &bgs {
-                pass.set_bind_group(0, bg, &[]);
-                pass.dispatch_workgroups(groups as u32, 1, 1);
-            }
+    let med = median_pass_seconds(gpu, 20, |pass| {
+        pass.set_pipeline(&pipe);
+        for bg in &bgs {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(groups as u32, 1, 1);
         }
-        enc.resolve_query_set(&qs, 0..2, &qbuf, 0);
-        gpu.queue.submit([enc.finish()]);
-        gpu.wait().unwrap();
-        if it >= 2 {
-            times.push(pass_seconds(gpu, &qbuf));
-        }
-    }
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let per = times[times.len() / 2] / layers as f64;
+    });
+    let per = med / layers as f64;
     println!(
         "BENCH stream {mb} MB wg={wg} unroll={unroll} groups={groups} {}: {:.2} us/dispatch, {:.0} GB/s",
         if distinct { "independent" } else { "dependent" },
         per * 1e6,
         (words * 16) as f64 / per / 1e9
     );
+}
+
+/// Sampler time per step over 262,144 logits: `cargo test --release --test kernels -- --ignored
+/// sample_bench --nocapture`. Median of 20 passes timed with timestamp queries.
+#[test]
+#[ignore]
+fn sample_bench() {
+    use markbase::cpu::ops::SampleParams;
+    use markbase::gpu::sample::Sampler;
+    let e = env();
+    let gpu = &e.gpu;
+    assert!(gpu.info.timestamps, "sample_bench needs timestamp queries");
+    let mut r = rng("sample_bench");
+    let v = 262_144;
+    let l = randn(&mut r, v, 6.0);
+    let recent: Vec<u32> = (0..64).map(|_| r.gen_range(0..v as u32)).collect();
+    let lb = gpu.upload_f32("l", &l);
+    let rb = gpu.upload_u32("recent", &recent);
+    let p = gpu.uniform("p", &ArgmaxParams::last_row(1, v));
+    let out = gpu.storage("out", 4);
+    let sampler = Sampler::new(gpu, &e.variants[0].1, v).unwrap();
+    let base = SampleParams::default();
+    let cases = [
+        ("greedy", base),
+        ("t0.7 top_p0.9", SampleParams { temperature: 0.7, top_p: 0.9, seed: 1, ..base }),
+        ("t0.8 k40 p0.95 pen1.3", SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.3, seed: 1, ..base }),
+        ("t1.0 (no filters)", SampleParams { temperature: 1.0, seed: 1, ..base }),
+    ];
+    for (name, sp) in cases {
+        let n_recent = if sp.repetition_penalty != 1.0 { 64 } else { 0 };
+        let wb = gpu.upload_u32("words", &sp.words(0, n_recent));
+        let ds = sampler.dispatches(&gpu.device, &p, &lb, &wb, &rb, &out);
+        let med = median_pass_seconds(gpu, 20, |pass| Sampler::record(pass, &ds));
+        let got = gpu.read_u32(&out, 1).unwrap()[0];
+        let want = cpu::sample(&l, &sp.words(0, n_recent), &recent);
+        println!("sample V={v} {name}: {:.1} us per step ({} dispatches), token {got} (cpu {want})", med * 1e6, ds.len());
+    }
 }

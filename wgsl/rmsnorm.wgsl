@@ -2,9 +2,12 @@
 // s = w (mode 1), 1 + w (mode 2) or 1 (mode 0). One workgroup per row.
 //
 // RES: out = res + norm(x) (a post-norm and its residual add).
+// SCALAR (with RES): out = (res + norm(x)) * s, s the one value of binding 5 (Gemma 4's layer scalar).
 //
-// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32). Flags: SUBGROUP, HAS_W, RES.
-// Bindings: 0 params, 1 x, 2 out, 3 w (HAS_W; u32 words of NDT values), 4 res (RES).
+// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32), SDT (the scalar's dtype).
+// Flags: SUBGROUP, HAS_W, RES, SCALAR.
+// Bindings: 0 params, 1 x, 2 out, 3 w (HAS_W; u32 words of NDT values), 4 res (RES),
+// 5 s (SCALAR; u32 words of SDT values).
 
 struct Params {
     rows: u32,
@@ -21,6 +24,9 @@ struct Params {
 //#endif
 //#if RES
 @group(0) @binding(4) var<storage, read> res: array<f32>;
+//#endif
+//#if SCALAR
+@group(0) @binding(5) var<storage, read> sw: array<u32>;
 //#endif
 
 fn norm_scale(i: u32) -> f32 {
@@ -62,11 +68,16 @@ fn main(
         }
         let tot = wg_sum(ss);
         let r = 1.0 / sqrt(tot / f32(D) + p.eps);
+//#if SCALAR
+        let s = nw_scale(sw[0], 0u, SDT, 1u);
+//#endif
         for (var i0 = lid; i0 < D; i0 += 8u * WG) {
 //#repeat 8 j
             let i$j = i0 + $ju * WG;
             let c$j = min(i$j, D - 1u);
-//#if RES
+//#if RES && SCALAR
+            let o$j = (res[b + c$j] + x[b + c$j] * r * norm_scale(c$j)) * s;
+//#elif RES
             let o$j = res[b + c$j] + x[b + c$j] * r * norm_scale(c$j);
 //#else
             let o$j = x[b + c$j] * r * norm_scale(c$j);

@@ -285,9 +285,25 @@ impl<'a> B<'a> {
 
     /// `res + norm(x)`.
     fn norm_add(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, res: NodeIndex, w: &str, conv: NormScale) -> Result<NodeIndex, BuildError> {
+        self.norm_add_scaled(name, layer, x, res, w, conv, None)
+    }
+
+    /// `(res + norm(x)) * s` with a scalar weight `s` (`res + norm(x)` without).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_add_scaled(
+        &mut self,
+        name: &str,
+        layer: Option<usize>,
+        x: NodeIndex,
+        res: NodeIndex,
+        w: &str,
+        conv: NormScale,
+        s: Option<NodeIndex>,
+    ) -> Result<NodeIndex, BuildError> {
         let d = self.g.node(x).ty.last();
         let wn = self.w(w, layer, &[d], false);
-        self.op(name, layer, Op::RmsNormAdd { eps: self.eps, scale: conv }, &[x, res, wn])
+        let ins: Vec<NodeIndex> = [x, res, wn].into_iter().chain(s).collect();
+        self.op(name, layer, Op::RmsNormAdd { eps: self.eps, scale: conv, scaled: s.is_some() }, &ins)
     }
 
     fn reshape(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, shape: &[usize]) -> Result<NodeIndex, BuildError> {
@@ -393,7 +409,7 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
         let q = b.query(i, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
-        let (kc, vc) = kv_write(&mut b, i, k, &p("self_attn.k_norm.weight"), conv, &rop, v, cache_slots(cfg, lt, o))?;
+        let (kc, vc) = kv_write(&mut b, i, k, &p("self_attn.k_norm.weight"), conv, &rop, v, false, cache_slots(cfg, lt, o))?;
         x = b.attention_block(i, x, q, (kc, vc), conv)?;
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
         let inter = cfg.layer_intermediate(i);
@@ -404,8 +420,9 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
 }
 
 /// The attention inputs of layer `i` written into its caches: K after its norm (weight `k_norm`)
-/// and RoPE, V as it is, each from the heads of its value when given; returns the cache
-/// values. One-token graphs norm, rotate and write K in one op.
+/// and RoPE, V as it is or after a weightless norm (`v_norm`, Gemma 4), each from the heads of
+/// its value when given; returns the cache values. One-token graphs norm, rotate and write K in
+/// one op, and norm and write V in one op.
 #[allow(clippy::too_many_arguments)]
 fn kv_write(
     b: &mut B,
@@ -415,6 +432,7 @@ fn kv_write(
     conv: NormScale,
     rope: &Op,
     (v, v_heads): (NodeIndex, Option<HeadRange>),
+    v_norm: bool,
     slots: usize,
 ) -> Result<(NodeIndex, NodeIndex), BuildError> {
     let l = Some(i);
@@ -434,7 +452,24 @@ fn kv_write(
         let k = b.norm_rope("k_norm_rope", l, (k, k_heads), k_norm, conv, rope)?;
         b.op("k_write", l, Op::KvWrite { heads: None }, &[k, b.pos, ks])?
     };
-    let vc = b.op("v_write", l, Op::KvWrite { heads: v_heads }, &[v, b.pos, vs])?;
+    // V's weightless norm: a norm-rope without pairs (theta unused)
+    let vc = match (v_norm, b.fuse_prenorm) {
+        (false, _) => b.op("v_write", l, Op::KvWrite { heads: v_heads }, &[v, b.pos, vs])?,
+        (true, true) => {
+            let op = Op::KvWriteNormRope { eps: b.eps, scale: NormScale::None, theta: 1.0, factor: 1.0, rotary_pairs: 0, heads: v_heads };
+            b.op("v_norm_write", l, op, &[v, b.pos, vs])?
+        }
+        (true, false) => {
+            let vn = match v_heads {
+                Some(_) => {
+                    let op = Op::NormRope { eps: b.eps, scale: NormScale::None, theta: 1.0, factor: 1.0, rotary_pairs: 0, heads: v_heads };
+                    b.op("v_norm", l, op, &[v, b.pos])?
+                }
+                None => b.norm("v_norm", l, v, None, NormScale::None)?,
+            };
+            b.op("v_write", l, Op::KvWrite { heads: None }, &[vn, b.pos, vs])?
+        }
+    };
     Ok((kc, vc))
 }
 
@@ -535,15 +570,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let q = b.query(i, pr[0], &p("self_attn.q_norm.weight"), conv, &rop)?;
         let (kc, vc) = if own_kv {
             let v = if k_eq_v { pr[1] } else { pr[2] };
-            let v = match v {
-                // a weightless norm of a head range: a norm-rope without pairs
-                (v, Some(heads)) => {
-                    let op = Op::NormRope { eps: b.eps, scale: NormScale::None, theta: rope.theta as f32, factor: 1.0, rotary_pairs: 0, heads: Some(heads) };
-                    b.op("v_norm", l, op, &[v, b.pos])?
-                }
-                (v, None) => b.norm("v_norm", l, v, None, NormScale::None)?,
-            };
-            let kv = kv_write(&mut b, i, pr[1], &p("self_attn.k_norm.weight"), conv, &rop, (v, None), cache_slots(cfg, lt, o))?;
+            let kv = kv_write(&mut b, i, pr[1], &p("self_attn.k_norm.weight"), conv, &rop, v, true, cache_slots(cfg, lt, o))?;
             caches[i] = Some(kv);
             kv
         } else {
@@ -586,19 +613,20 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let h2 = b.norm("post_ff_norm_2", l, h2, Some(&p("post_feedforward_layernorm_2.weight")), conv)?;
             u = b.add("ff_sum", l, h1, h2)?;
         }
-        x = b.norm_add("ff_residual", l, u, x, &p("post_feedforward_layernorm.weight"), conv)?;
+        // the layer scalar multiplies the layer's last residual sum, in that op
+        let ls = b.w(&p("layer_scalar"), l, &[1], false);
+        let ff_scale = if pli.is_some() { None } else { Some(ls) };
+        x = b.norm_add_scaled("ff_residual", l, u, x, &p("post_feedforward_layernorm.weight"), conv, ff_scale)?;
 
         if let Some(pli) = pli {
             let gate = b.linear("ple_gate", l, x, &p("per_layer_input_gate"), pd)?;
-            let gate = b.op("ple_gelu", l, Op::Unary { f: UnaryOp::Gelu }, &[gate])?;
             let slot = b.op("ple_slot", l, Op::Slice { axis: 1, start: i, len: 1 }, &[pli])?;
             let slot = b.reshape("ple_slot_flat", l, slot, &[t, pd])?;
-            let gated = b.op("ple_mul", l, Op::Binary { f: BinaryOp::Mul }, &[gate, slot])?;
+            // gelu(gate) * slot, one pass
+            let gated = b.op("ple_gelu_mul", l, Op::GeGlu, &[gate, slot])?;
             let pr = b.linear("ple_projection", l, gated, &p("per_layer_projection"), h)?;
-            x = b.norm_add("ple_residual", l, pr, x, &p("post_per_layer_input_norm.weight"), conv)?;
+            x = b.norm_add_scaled("ple_residual", l, pr, x, &p("post_per_layer_input_norm.weight"), conv, Some(ls))?;
         }
-        let ls = b.w(&p("layer_scalar"), l, &[1], false);
-        x = b.op("layer_scalar", l, Op::Binary { f: BinaryOp::Mul }, &[x, ls])?;
     }
     head(b, x, emb, conv, o)
 }

@@ -121,9 +121,10 @@ pub enum Op {
     GroupedMatMul,
     /// `[x: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`.
     RmsNorm { eps: f32, scale: NormScale },
-    /// `[x: f32[.., D], res: f32[.., D], w?: f32-weight[D]] -> f32[.., D]`:
-    /// `res + rms_norm(x)` (a post-norm and its residual add, one pass).
-    RmsNormAdd { eps: f32, scale: NormScale },
+    /// `[x: f32[.., D], res: f32[.., D], w?: f32-weight[D], s?: f32-weight[1]] -> f32[.., D]`:
+    /// `res + rms_norm(x)` (a post-norm and its residual add, one pass); `scaled`: that sum
+    /// times the scalar `s` (Gemma 4's layer scalar).
+    RmsNormAdd { eps: f32, scale: NormScale, scaled: bool },
     /// `[x: f32[.., K], nw?: f32-weight[K], w1: weight[N1, K], w2.., ..] -> f32[.., N1 + N2 + ..]`:
     /// `rms_norm(x) @ [w1; w2; ..]^T` (a pre-norm read by matmuls only; the norm's weight is
     /// the second input unless `scale` is `None`). Several weights: their outputs side by
@@ -295,9 +296,10 @@ impl Op {
                 Some(c) => format!("scale={scale} clamp={c}"),
                 None => format!("scale={scale}"),
             },
-            Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } | Op::NormMatMul { eps, scale } | Op::NormGeGlu { eps, scale } => {
+            Op::RmsNorm { eps, scale } | Op::NormMatMul { eps, scale } | Op::NormGeGlu { eps, scale } => {
                 format!("eps={eps:e} scale={scale:?}")
             }
+            Op::RmsNormAdd { eps, scale, scaled } => format!("eps={eps:e} scale={scale:?}{}", if *scaled { " scaled" } else { "" }),
             Op::Rope { theta, factor, rotary_pairs } => format!("theta={theta} factor={factor} pairs={rotary_pairs}"),
             Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads }
             | Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
@@ -407,8 +409,8 @@ impl Op {
                 }
                 Ok(x.clone())
             }
-            Op::RmsNormAdd { scale, .. } => {
-                need(if *scale == NormScale::None { 2 } else { 3 })?;
+            Op::RmsNormAdd { scale, scaled, .. } => {
+                need(if *scale == NormScale::None { 2 } else { 3 } + usize::from(*scaled))?;
                 let x = f32_in(0)?;
                 let r = f32_in(1)?;
                 if r.shape != x.shape {
@@ -416,6 +418,9 @@ impl Op {
                 }
                 if *scale != NormScale::None && inputs[2].shape != [x.last()] {
                     return Err(err(format!("weight {} for x {}", inputs[2].describe(), x.describe())));
+                }
+                if *scaled && inputs[inputs.len() - 1].shape != [1] {
+                    return Err(err(format!("scalar {} for x {}", inputs[inputs.len() - 1].describe(), x.describe())));
                 }
                 Ok(x.clone())
             }

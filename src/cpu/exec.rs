@@ -192,9 +192,13 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         Val::F(Rc::new(out))
                     }
                     Op::RmsNorm { eps, scale } => Val::F(Rc::new(normed_input(g, w, &vals, n, op, *eps, *scale)?)),
-                    Op::RmsNormAdd { eps, scale } => {
+                    Op::RmsNormAdd { eps, scale, scaled } => {
                         let mut out = normed_input(g, w, &vals, n, op, *eps, *scale)?;
                         out.iter_mut().zip(get(&vals, ins[1]).f()).for_each(|(o, r)| *o += r);
+                        if *scaled {
+                            let s = weight_or_value(g, w, &vals, ins[ins.len() - 1])?;
+                            out.iter_mut().for_each(|o| *o *= s[0]);
+                        }
                         Val::F(Rc::new(out))
                     }
                     Op::NormGeGlu { eps, scale } => {

@@ -150,8 +150,9 @@ pub enum KernelSpec {
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
     Embed { fmt: GpuFormat },
-    /// `res`: adds a residual (`Op::RmsNormAdd`).
-    RmsNorm { w: Option<FloatType>, res: bool },
+    /// `res`: adds a residual (`Op::RmsNormAdd`); `scalar`: then multiplies by a scalar weight
+    /// of that dtype.
+    RmsNorm { w: Option<FloatType>, res: bool, scalar: Option<FloatType> },
     /// `norm`: an RMSNorm per head in front (`Op::NormRope`), with its weight's dtype; `cache`:
     /// rows written to KV cache slots (`Op::KvWriteNormRope`).
     Rope { norm: Option<Option<FloatType>>, cache: bool },
@@ -170,8 +171,8 @@ pub enum KernelSpec {
     MoeGroup,
     Copy,
     Argmax { wg: u32 },
-    /// `Op::Sample` (see [`super::sample`]).
-    Sample,
+    /// `Op::Sample`: stage `stage` of [`super::sample::STAGES`] (see [`super::sample`]).
+    Sample { stage: u32 },
 }
 
 fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Source {
@@ -238,7 +239,12 @@ impl KernelSpec {
             KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
             KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
             KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
-            KernelSpec::RmsNorm { w, res } => format!("rms_norm[{}{}]", w.map_or("none", |t| t.name()), if *res { " add" } else { "" }),
+            KernelSpec::RmsNorm { w, res, scalar } => format!(
+                "rms_norm[{}{}{}]",
+                w.map_or("none", |t| t.name()),
+                if *res { " add" } else { "" },
+                scalar.map_or(String::new(), |t| format!(" scaled {}", t.name()))
+            ),
             KernelSpec::Rope { norm: None, .. } => "rope".into(),
             KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
             KernelSpec::KvWrite => "kv_write".into(),
@@ -257,7 +263,7 @@ impl KernelSpec {
             KernelSpec::MoeGroup => "moe_group".into(),
             KernelSpec::Copy => "copy".into(),
             KernelSpec::Argmax { wg } => format!("argmax[wg{wg}]"),
-            KernelSpec::Sample => "sample".into(),
+            KernelSpec::Sample { stage } => format!("sample[{}]", super::sample::STAGES[*stage as usize]),
         }
     }
 
@@ -314,11 +320,13 @@ impl KernelSpec {
                 weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false)
             }
             KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false),
-            KernelSpec::RmsNorm { w, res } => Source::new(&[COMMON, RMSNORM])
+            KernelSpec::RmsNorm { w, res, scalar } => Source::new(&[COMMON, RMSNORM])
                 .c("WG", NORM_WG)
                 .c("NDT", w.map_or(2, dt_code))
+                .c("SDT", scalar.map_or(2, dt_code))
                 .flag("HAS_W", w.is_some())
                 .flag("RES", res)
+                .flag("SCALAR", scalar.is_some())
                 .flag("SUBGROUP", sg),
             KernelSpec::Rope { norm, cache } => Source::new(&[COMMON, ROPE])
                 .c("WG", 64)
@@ -354,7 +362,10 @@ impl KernelSpec {
             KernelSpec::MoeGroup => Source::new(&[COMMON, MOE_GROUP]).c("WG", MOE_GROUP_WG),
             KernelSpec::Copy => Source::new(&[COMMON, COPY]).c("WG", ELEM_WG),
             KernelSpec::Argmax { wg } => Source::new(&[COMMON, ARGMAX]).c("WG", wg),
-            KernelSpec::Sample => Source::new(&[COMMON, SAMPLE]).c("WG", 128),
+            KernelSpec::Sample { stage } => Source::new(&[COMMON, SAMPLE])
+                .c("WG", super::sample::WG)
+                .c("CHUNK", super::sample::CHUNK)
+                .flag(&format!("STAGE_{}", super::sample::STAGES[stage as usize].to_uppercase()), true),
         }
     }
 
@@ -397,8 +408,9 @@ impl KernelSpec {
             v.push(KernelSpec::Embed { fmt });
         }
         for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
-            v.push(KernelSpec::RmsNorm { w, res: false });
-            v.push(KernelSpec::RmsNorm { w, res: true });
+            v.push(KernelSpec::RmsNorm { w, res: false, scalar: None });
+            v.push(KernelSpec::RmsNorm { w, res: true, scalar: None });
+            v.push(KernelSpec::RmsNorm { w, res: true, scalar: Some(w.unwrap_or(FloatType::F32)) });
             v.push(KernelSpec::TopKSoftmax { scale: w });
         }
         for b in [FloatType::Bf16, FloatType::F16, FloatType::F32] {
@@ -426,8 +438,8 @@ impl KernelSpec {
             KernelSpec::Copy,
             KernelSpec::Argmax { wg: 256 },
             KernelSpec::Argmax { wg: 1024 },
-            KernelSpec::Sample,
         ]);
+        v.extend((0..super::sample::STAGES.len() as u32).map(|stage| KernelSpec::Sample { stage }));
         v
     }
 }
@@ -772,7 +784,13 @@ impl Kernels {
 
     /// `res`: plus a residual (`Op::RmsNormAdd`).
     pub fn rms_norm(&self, w: Option<FloatType>, res: bool) -> Result<RmsNormKernel, GpuError> {
-        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res })?, maxg: self.maxg() })
+        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res, scalar: None })?, maxg: self.maxg() })
+    }
+
+    /// `(res + rms_norm(x)) * s` with a scalar weight `s` of dtype `scalar` (`Op::RmsNormAdd`
+    /// with `scaled`).
+    pub fn rms_norm_add_scaled(&self, w: Option<FloatType>, scalar: FloatType) -> Result<RmsNormKernel, GpuError> {
+        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res: true, scalar: Some(scalar) })?, maxg: self.maxg() })
     }
 
     /// `norm`: an RMSNorm per head in front, with its weight's dtype (`Some(None)`: no weight).
@@ -1171,7 +1189,9 @@ impl RmsNormKernel {
     pub fn groups(&self, rows: usize) -> [u32; 3] {
         grid(rows as u64, self.maxg)
     }
-    /// `res`: the residual (kernels built with `res`).
+    /// `res`: the residual (kernels built with `res`); `scalar`: the scalar weight (kernels
+    /// built with one).
+    #[allow(clippy::too_many_arguments)]
     pub fn bind_group(
         &self,
         device: &wgpu::Device,
@@ -1180,6 +1200,7 @@ impl RmsNormKernel {
         out: &wgpu::Buffer,
         w: Option<&wgpu::Buffer>,
         res: Option<&wgpu::Buffer>,
+        scalar: Option<&wgpu::Buffer>,
     ) -> wgpu::BindGroup {
         let mut b = vec![(0, params), (1, x), (2, out)];
         if let Some(w) = w {
@@ -1187,6 +1208,9 @@ impl RmsNormKernel {
         }
         if let Some(r) = res {
             b.push((4, r));
+        }
+        if let Some(s) = scalar {
+            b.push((5, s));
         }
         self.kernel.bind_buffers(device, &b)
     }

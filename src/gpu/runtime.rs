@@ -302,15 +302,26 @@ impl GpuExecutor {
                             push(k.kernel.clone(), bg, k.groups(&d));
                         }
                     }
-                    Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale } => {
+                    Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale, .. } => {
                         let rows = node.ty.rows();
                         let d = node.ty.last();
                         let res = matches!(op, Op::RmsNormAdd { .. });
                         let wv = norm_w()?;
-                        let k = self.kernels.rms_norm(wv.map(|v| v.1), res).map_err(kerr)?;
+                        // the layer scalar: a vector weight as stored, the last input
+                        let sv = match op {
+                            Op::RmsNormAdd { scaled: true, .. } => {
+                                Some(vecw(ins.len() - 1).ok_or_else(|| format!("node {}: scalar weight missing", node.name))?)
+                            }
+                            _ => None,
+                        };
+                        let k = match sv {
+                            Some(s) => self.kernels.rms_norm_add_scaled(wv.map(|v| v.1), s.1),
+                            None => self.kernels.rms_norm(wv.map(|v| v.1), res),
+                        }
+                        .map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
                         let rb = if res { Some(buf(ins[1])?) } else { None };
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0), rb.as_ref());
+                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0), rb.as_ref(), sv.map(|v| &v.0));
                         push(k.kernel.clone(), bg, k.groups(rows));
                     }
                     Op::NormGeGlu { eps, scale } => {
@@ -540,10 +551,12 @@ impl GpuExecutor {
                     }
                     Op::Sample => {
                         let ls = shape_of(0);
-                        let k = crate::gpu::sample::kernel(&self.gpu, &self.kernels).map_err(kerr)?;
+                        let s = crate::gpu::sample::Sampler::new(&self.gpu, &self.kernels, ls[1]).map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
-                        let bg = k.bind_buffers(&dev, &[(0, &p), (1, &buf(ins[0])?), (2, &buf(ins[1])?), (3, &buf(ins[2])?), (4, &out()?)]);
-                        push(k, bg, [1, 1, 1]);
+                        scratch.extend(s.scratch());
+                        for (k, bg, groups) in s.dispatches(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &out()?) {
+                            push(k, bg, groups);
+                        }
                     }
                 }
             }
