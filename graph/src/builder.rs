@@ -542,6 +542,16 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         None
     };
 
+    // One-token graphs take every layer's slot up front: copies that depend on nothing a layer
+    // computes, run back to back before the layers instead of one on each layer's path.
+    let mut early_slots = vec![];
+    if let (Some(pli), 1) = (pli, t) {
+        for i in 0..nl {
+            let slot = b.op(&format!("ple_slot{i}"), None, Op::Slice { axis: 1, start: i, len: 1 }, &[pli])?;
+            early_slots.push(b.reshape(&format!("ple_slot{i}_flat"), None, slot, &[t, pd])?);
+        }
+    }
+
     let first_shared = cfg.first_shared_layer();
     let mut caches: Vec<Option<(NodeIndex, NodeIndex)>> = vec![None; nl];
     for i in 0..nl {
@@ -620,8 +630,13 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
 
         if let Some(pli) = pli {
             let gate = b.linear("ple_gate", l, x, &p("per_layer_input_gate"), pd)?;
-            let slot = b.op("ple_slot", l, Op::Slice { axis: 1, start: i, len: 1 }, &[pli])?;
-            let slot = b.reshape("ple_slot_flat", l, slot, &[t, pd])?;
+            let slot = match early_slots.get(i) {
+                Some(&s) => s,
+                None => {
+                    let slot = b.op("ple_slot", l, Op::Slice { axis: 1, start: i, len: 1 }, &[pli])?;
+                    b.reshape("ple_slot_flat", l, slot, &[t, pd])?
+                }
+            };
             // gelu(gate) * slot, one pass
             let gated = b.op("ple_gelu_mul", l, Op::GeGlu, &[gate, slot])?;
             let pr = b.linear("ple_projection", l, gated, &p("per_layer_projection"), h)?;
