@@ -620,8 +620,8 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let egu = b.op("expert_geglu", l, Op::GeGlu, &[eg, eu])?;
             let ed = expert_mm(&mut b, "expert_down", egu, wd)?;
             let h2 = b.op("expert_sum", l, Op::WeightedSum, &[ed, wgt])?;
-            let h2 = b.norm("post_ff_norm_2", l, h2, Some(&p("post_feedforward_layernorm_2.weight")), conv)?;
-            u = b.add("ff_sum", l, h1, h2)?;
+            // h1 + norm(h2): the experts' post-norm and the sum in one pass
+            u = b.norm_add("ff_sum", l, h2, h1, &p("post_feedforward_layernorm_2.weight"), conv)?;
         }
         // the layer scalar multiplies the layer's last residual sum, in that op
         let ls = b.w(&p("layer_scalar"), l, &[1], false);
