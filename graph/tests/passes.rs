@@ -1,5 +1,5 @@
 //! Property tests of the compiler passes on random DAGs, and the same checks on
-//! the Gemma 3 270M / 1B / 12B graphs.
+//! the Gemma 3 270M / 1B / 12B graphs and the Gemma 4 fixtures' one-token fusions.
 
 use std::path::PathBuf;
 
@@ -347,4 +347,53 @@ fn expert_op_shape_rules() {
     assert!(Op::GroupedMatMul.infer(&[&x, &ids, &w, &TensorType::u32(&[14])]).is_err());
     assert!(Op::GroupedMatMul.infer(&[&x, &ids, &w]).is_err());
     assert!(Op::GroupedMatMul.infer(&[&x, &ids, &w, &x]).is_err());
+}
+
+/// One-token Gemma 4 layers run V's weightless norm with its cache write, the layer scalar in
+/// the layer's last residual norm-add, the per-layer input gate as one GeGLU with every slot
+/// copied before the layers, and (MoE) the experts' post-norm sum as one norm-add; prefill
+/// graphs scale in the norm-add too.
+#[test]
+fn gemma4_layers_fuse_v_norm_layer_scalar_and_sums() {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    for fixture in ["gemma4_dense_ple-q4", "gemma4_moe-q4"] {
+        let cfg = ModelConfig::from_json_str(&std::fs::read_to_string(fixtures.join(fixture).join("config.json")).unwrap()).unwrap();
+        let ple = cfg.hidden_size_per_layer_input > 0;
+        for opts in [BuildOptions::decode(256, 32), BuildOptions::prefill(5, 256)] {
+            let c = compile(build_from_config(&cfg, &opts).unwrap(), PhasePolicy::EmbedLayersHead).unwrap();
+            assert_properties(&c);
+            let g = &c.graph;
+            let one = opts.tokens == 1;
+            let mut scaled = vec![0usize; cfg.num_layers];
+            let mut v_norm_writes = 0;
+            let mut first_layer_op = None;
+            for (pos, n) in g.op_nodes().into_iter().enumerate() {
+                let node = g.node(n);
+                if node.layer.is_some() && first_layer_op.is_none() {
+                    first_layer_op = Some(pos);
+                }
+                match node.op().unwrap() {
+                    Op::RmsNormAdd { scaled: true, .. } => {
+                        scaled[node.layer.unwrap()] += 1;
+                        assert_eq!(g.node(g.inputs(n)[3]).ty.shape, [1], "{fixture}: {}", node.name);
+                    }
+                    Op::KvWriteNormRope { scale: NormScale::None, rotary_pairs: 0, .. } => v_norm_writes += 1,
+                    Op::Binary { f: BinaryOp::Mul } | Op::Unary { f: UnaryOp::Gelu } => {
+                        panic!("{fixture}: {} runs as its own op", node.name)
+                    }
+                    Op::NormRope { .. } if one => panic!("{fixture}: {} is not fused into a cache write", node.name),
+                    Op::Binary { f: BinaryOp::Add } if node.layer.is_some() => panic!("{fixture}: {} is a separate add", node.name),
+                    Op::Slice { .. } if one && ple => {
+                        assert!(node.layer.is_none() && first_layer_op.is_none(), "{fixture}: {} inside the layers", node.name)
+                    }
+                    _ => {}
+                }
+            }
+            assert_eq!(scaled, vec![1; cfg.num_layers], "{fixture} tokens {}", opts.tokens);
+            if one {
+                let own_kv = (0..cfg.num_layers).filter(|&i| i < cfg.first_shared_layer()).count();
+                assert_eq!(v_norm_writes, own_kv, "{fixture}");
+            }
+        }
+    }
 }
