@@ -542,8 +542,9 @@ fn rms_norm_all_scales() {
             let sb = gpu.upload("s", &st.bytes);
             let want_scaled: Vec<f32> = want_res.iter().map(|v| v * s).collect();
             for (label, ks) in &e.variants {
-                for (what, want) in [("rms_norm", &want), ("rms_norm_add", &want_res), ("rms_norm_add scaled", &want_scaled)] {
-                    let (with_res, scaled) = (what != "rms_norm", what.ends_with("scaled"));
+                for (what, want, with_res, scaled) in
+                    [("rms_norm", &want, false, false), ("rms_norm_add", &want_res, true, false), ("rms_norm_add scaled", &want_scaled, true, true)]
+                {
                     let k = if scaled { ks.rms_norm_add_scaled(wt, sdt) } else { ks.rms_norm(wt, with_res) }.unwrap();
                     let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
                     let out = gpu.storage("out", (rows * d * 4) as u64);
@@ -1435,7 +1436,7 @@ fn sample_bench() {
     let cases = [
         ("greedy", base),
         ("t0.7 top_p0.9", SampleParams { temperature: 0.7, top_p: 0.9, seed: 1, ..base }),
-        ("t0.8 k40 p0.95 pen1.3", SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.3, seed: 1, ..base }),
+        ("t0.8 k40 p0.95 pen1.3", SampleParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.01, repetition_penalty: 1.3, seed: 1 }),
         ("t1.0 (no filters)", SampleParams { temperature: 1.0, seed: 1, ..base }),
     ];
     for (name, sp) in cases {

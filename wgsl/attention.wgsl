@@ -6,7 +6,8 @@
 // `nsplit` contiguous parts; each workgroup walks its part in tiles of WG keys (one
 // key per invocation for the score; then the values: invocation lid accumulates the vec4
 // of dims lid % D4 over the tile's keys lid / D4, lid / D4 + WG / D4, .., four loads at a
-// time, and the WG / D4 key lanes are summed at the end). With nsplit == 1 the result is written to out;
+// time, and the WG / D4 key lanes are summed at the end). With nsplit == 1 the result is
+// written to out;
 // otherwise (SPLIT) out receives per split [D unnormalized outputs, max, sum] and
 // attn_combine.wgsl merges them.
 //
@@ -18,7 +19,8 @@
 // each reading every eighth vec4 of the key's row, summed by shuffles: a subgroup's loads read
 // whole lines (an invocation per key made each load touch as many rows as invocations).
 //
-// Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded for the q tile), QPL
+// Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded
+// for the q tile), QPL
 // (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
 // Flags: SUBGROUP, COOP, SPLIT, QROPE, HAS_NW.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
@@ -84,6 +86,14 @@ var<workgroup> ps: array<f32, WG>;
 var<workgroup> ov: array<vec4<f32>, WG>;
 var<workgroup> slots: array<u32, WG>;
 var<workgroup> wpos: u32;
+
+// Four outputs from element i (out is scalar: a split's partials are D + 2 floats apart).
+fn store4(i: u32, v: vec4<f32>) {
+    out[i] = v.x;
+    out[i + 1u] = v.y;
+    out[i + 2u] = v.z;
+    out[i + 3u] = v.w;
+}
 
 @compute @workgroup_size(WG)
 fn main(
@@ -262,11 +272,7 @@ fn main(
 //#if SPLIT
     let ob = ((t * p.nq + h) * p.nsplit + sp) * (D + 2u);
     if lid < D4 {
-        let d = 4u * dv;
-        out[ob + d] = o4.x;
-        out[ob + d + 1u] = o4.y;
-        out[ob + d + 2u] = o4.z;
-        out[ob + d + 3u] = o4.w;
+        store4(ob + 4u * dv, o4);
     }
     if lid == 0u {
         out[ob + D] = m;
@@ -275,12 +281,7 @@ fn main(
 //#else
     let ob = (t * p.nq + h) * D;
     if lid < D4 {
-        let d = 4u * dv;
-        let r = o4 / l;
-        out[ob + d] = r.x;
-        out[ob + d + 1u] = r.y;
-        out[ob + d + 2u] = r.z;
-        out[ob + d + 3u] = r.w;
+        store4(ob + 4u * dv, o4 / l);
     }
 //#endif
 }

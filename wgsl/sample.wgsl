@@ -97,6 +97,11 @@ fn top_p_on(spu: array<u32, 8>) -> bool {
     return bitcast<f32>(spu[2]) < 1.0;
 }
 
+// Chunks of CHUNK logits in a row of V (workgroups of the passes over the logits).
+fn n_chunks(V: u32) -> u32 {
+    return (V + CHUNK - 1u) / CHUNK;
+}
+
 // Whether the radix search runs: sampling (temperature > 0) with top-k or top-p.
 fn searching(spu: array<u32, 8>, V: u32) -> bool {
     return bitcast<f32>(spu[0]) > 0.0 && (top_k_on(spu, V) || top_p_on(spu));
@@ -398,7 +403,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32) {
     let V = p.V;
-    let nw = (V + CHUNK - 1u) / CHUNK;
+    let nw = n_chunks(V);
     var mx = neg_inf();
     var mz = neg_inf();
     for (var w = lid; w < nw; w += WG) {
@@ -603,9 +608,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     if !searching(spu, V) {
         return;
     }
-    let do_k = top_k_on(spu, V);
-    let do_p = top_p_on(spu);
-    let nw = (V + CHUNK - 1u) / CHUNK;
+    let nw = n_chunks(V);
     {
         let b = lid % NBIN;
         var c = 0u;
@@ -631,12 +634,12 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     }
     workgroupBarrier();
     if lid == 0u {
+        // the words re-read after the barriers (few values stay live across them)
+        let w = w_sp;
         let d = min(st[S_D], 7u);
-        let kk = sp[1];
-        let tpp = bitcast<f32>(sp[2]);
-        let dk = kk > 0u && kk < p.V;
-        let dp = tpp < 1.0;
-        select_digit(d, 28u - 4u * d, dk, dp, tpp);
+        let dk = top_k_on(w, p.V);
+        let dp = top_p_on(w);
+        select_digit(d, 28u - 4u * d, dk, dp, bitcast<f32>(w[2]));
         st[S_D] = d + 1u;
         if d == 7u {
             var t = bitcast<f32>(st[S_THR]);
@@ -703,7 +706,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     use_pen_table(lid, spu);
 
     // the chunks in contiguous per-invocation ranges: their masses and last kept indices
-    let nw = (V + CHUNK - 1u) / CHUNK;
+    let nw = n_chunks(V);
     let cpi = (nw + WG - 1u) / WG;
     let w0 = min(lid * cpi, nw);
     let w1 = min(w0 + cpi, nw);

@@ -47,9 +47,9 @@ pub type Dispatch = (Arc<Kernel>, wgpu::BindGroup, [u32; 3]);
 pub struct Sampler {
     kernels: Vec<Arc<Kernel>>,
     /// Per-chunk results (`ceil(V / CHUNK) * 48` words).
-    pub part: wgpu::Buffer,
+    part: wgpu::Buffer,
     /// The search state and the penalty table (`16 + 256` words).
-    pub state: wgpu::Buffer,
+    state: wgpu::Buffer,
     chunks: u32,
 }
 
@@ -64,11 +64,6 @@ impl Sampler {
         let part = gpu.storage("sample.part", chunks as u64 * PART_WORDS * 4);
         let state = gpu.storage("sample.state", STATE_WORDS * 4);
         Ok(Sampler { kernels, part, state, chunks: chunks as u32 })
-    }
-
-    /// Workgroups of the passes over the logits.
-    pub fn chunks(&self) -> u32 {
-        self.chunks
     }
 
     /// The scratch buffers (to keep alive as long as the dispatches).
