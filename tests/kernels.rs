@@ -514,8 +514,9 @@ fn rms_norm_all_scales() {
     let mut r = rng("rms_norm");
     let e = env();
     let gpu = &e.gpu;
-    // one step of the kernel's 8-wide unrolled loop, and several (d > 8 x 256)
-    for (rows, d) in [(5usize, 300usize), (2, 4500)] {
+    // rows held in registers (one and two steps of 8 values per invocation), and a row
+    // longer than that (the looping kernel: d > 16 x 256)
+    for (rows, d) in [(5usize, 300usize), (3, 3840), (2, 4500)] {
         let x = randn(&mut r, rows * d, 2.0);
         let xb = gpu.upload_f32("x", &x);
         for (scale, wt) in [
@@ -545,7 +546,7 @@ fn rms_norm_all_scales() {
                 for (what, want, with_res, scaled) in
                     [("rms_norm", &want, false, false), ("rms_norm_add", &want_res, true, false), ("rms_norm_add scaled", &want_scaled, true, true)]
                 {
-                    let k = if scaled { ks.rms_norm_add_scaled(wt, sdt) } else { ks.rms_norm(wt, with_res) }.unwrap();
+                    let k = if scaled { ks.rms_norm_add_scaled(wt, sdt, d) } else { ks.rms_norm(wt, with_res, d) }.unwrap();
                     let p = gpu.uniform("p", &k.params(rows, d, 1e-6, scale));
                     let out = gpu.storage("out", (rows * d * 4) as u64);
                     let bg = k.bind_group(&gpu.device, &p, &xb, &out, wb.as_ref(), with_res.then_some(&resb), scaled.then_some(&sb));

@@ -4,8 +4,13 @@
 // RES: out = res + norm(x) (a post-norm and its residual add).
 // SCALAR (with RES): out = (res + norm(x)) * s, s the one value of binding 5 (Gemma 4's layer scalar).
 //
-// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32), SDT (the scalar's dtype).
-// Flags: SUBGROUP, HAS_W, RES, SCALAR.
+// REG (D <= NS * WG): the whole row in registers, NS values per invocation: x, the residual
+// and the weight are all loaded before the reduction (one memory round trip for a lone row,
+// which is latency-bound), and x is not read twice.
+//
+// Prelude consts: WG, NDT (weight dtype: 0 bf16, 1 f16, 2 f32), SDT (the scalar's dtype), NS
+// (REG: values per invocation, a multiple of 8).
+// Flags: SUBGROUP, HAS_W, RES, SCALAR, REG.
 // Bindings: 0 params, 1 x, 2 out, 3 w (HAS_W; u32 words of NDT values), 4 res (RES),
 // 5 s (SCALAR; u32 words of SDT values).
 
@@ -58,6 +63,40 @@ fn main(
     // round trip per step, not per element: a lone row is latency-bound).
     for (var row = wid.y * nwg.x + wid.x; row < p.rows; row += nwg.x * nwg.y) {
         let b = row * D;
+//#if REG
+//#repeat NS j
+        let i$j = lid + $ju * WG;
+        let c$j = min(i$j, D - 1u);
+        let v$j = select(0.0, x[b + c$j], i$j < D);
+//#endrepeat
+//#if RES
+//#repeat NS j
+        let r$j = res[b + c$j];
+//#endrepeat
+//#endif
+//#repeat NS j
+        let w$j = norm_scale(c$j);
+//#endrepeat
+        var ss = 0.0;
+//#repeat NS j
+        ss = fma(v$j, v$j, ss);
+//#endrepeat
+        let r = 1.0 / sqrt(wg_sum(ss) / f32(D) + p.eps);
+//#if SCALAR
+        let s = nw_scale(sw[0], 0u, SDT, 1u);
+//#endif
+//#repeat NS j
+        if i$j < D {
+//#if RES && SCALAR
+            out[b + i$j] = (r$j + v$j * r * w$j) * s;
+//#elif RES
+            out[b + i$j] = r$j + v$j * r * w$j;
+//#else
+            out[b + i$j] = v$j * r * w$j;
+//#endif
+        }
+//#endrepeat
+//#else
         var ss = 0.0;
         for (var i0 = lid; i0 < D; i0 += 8u * WG) {
 //#repeat 8 j
@@ -89,5 +128,6 @@ fn main(
             }
 //#endrepeat
         }
+//#endif
     }
 }

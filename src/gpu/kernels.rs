@@ -152,7 +152,9 @@ pub enum KernelSpec {
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`); `scalar`: then multiplies by a scalar weight
     /// of that dtype.
-    RmsNorm { w: Option<FloatType>, res: bool, scalar: Option<FloatType> },
+    /// `steps`: rows of at most `8 * steps * NORM_WG` values held in registers (1 or 2; 0: any
+    /// length, walked in steps).
+    RmsNorm { w: Option<FloatType>, res: bool, scalar: Option<FloatType>, steps: u32 },
     /// `norm`: an RMSNorm per head in front (`Op::NormRope`), with its weight's dtype; `cache`:
     /// rows written to KV cache slots (`Op::KvWriteNormRope`).
     Rope { norm: Option<Option<FloatType>>, cache: bool },
@@ -239,11 +241,12 @@ impl KernelSpec {
             KernelSpec::Gemm { fmt } => format!("gemm[{}]", fmt.describe()),
             KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
             KernelSpec::Embed { fmt } => format!("embed[{}]", fmt.describe()),
-            KernelSpec::RmsNorm { w, res, scalar } => format!(
-                "rms_norm[{}{}{}]",
+            KernelSpec::RmsNorm { w, res, scalar, steps } => format!(
+                "rms_norm[{}{}{}{}]",
                 w.map_or("none", |t| t.name()),
                 if *res { " add" } else { "" },
-                scalar.map_or(String::new(), |t| format!(" scaled {}", t.name()))
+                scalar.map_or(String::new(), |t| format!(" scaled {}", t.name())),
+                if *steps > 0 { format!(" reg{}", 8 * steps) } else { String::new() }
             ),
             KernelSpec::Rope { norm: None, .. } => "rope".into(),
             KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
@@ -320,8 +323,10 @@ impl KernelSpec {
                 weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false)
             }
             KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false),
-            KernelSpec::RmsNorm { w, res, scalar } => Source::new(&[COMMON, RMSNORM])
+            KernelSpec::RmsNorm { w, res, scalar, steps } => Source::new(&[COMMON, RMSNORM])
                 .c("WG", NORM_WG)
+                .c("NS", 8 * steps)
+                .flag("REG", steps > 0)
                 .c("NDT", w.map_or(2, dt_code))
                 .c("SDT", scalar.map_or(2, dt_code))
                 .flag("HAS_W", w.is_some())
@@ -408,9 +413,11 @@ impl KernelSpec {
             v.push(KernelSpec::Embed { fmt });
         }
         for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
-            v.push(KernelSpec::RmsNorm { w, res: false, scalar: None });
-            v.push(KernelSpec::RmsNorm { w, res: true, scalar: None });
-            v.push(KernelSpec::RmsNorm { w, res: true, scalar: Some(w.unwrap_or(FloatType::F32)) });
+            for steps in [0, 1, 2] {
+                v.push(KernelSpec::RmsNorm { w, res: false, scalar: None, steps });
+                v.push(KernelSpec::RmsNorm { w, res: true, scalar: None, steps });
+                v.push(KernelSpec::RmsNorm { w, res: true, scalar: Some(w.unwrap_or(FloatType::F32)), steps });
+            }
             v.push(KernelSpec::TopKSoftmax { scale: w });
         }
         for b in [FloatType::Bf16, FloatType::F16, FloatType::F32] {
@@ -557,6 +564,18 @@ pub struct Kernels {
 
 /// Splits `n` workgroups over x (and y when above the per-dimension limit); the
 /// kernels walk `gid.x + gid.y * stride` so any coverage works.
+/// Register steps of an RMSNorm over rows of `d` values: the fewest that hold a row (up to 2:
+/// 16 values per invocation; 3 measured slower than the loop on the H200), else 0 (the looping
+/// kernel). `MARKBASE_NORM_REG=0` forces 0.
+fn norm_steps(d: usize) -> u32 {
+    let steps = d.div_ceil(8 * NORM_WG as usize).max(1);
+    if steps > 2 || env_u32("MARKBASE_NORM_REG") == Some(0) {
+        0
+    } else {
+        steps as u32
+    }
+}
+
 fn grid(n: u64, max: u32) -> [u32; 3] {
     let n = n.max(1);
     if n <= max as u64 {
@@ -783,14 +802,15 @@ impl Kernels {
     }
 
     /// `res`: plus a residual (`Op::RmsNormAdd`).
-    pub fn rms_norm(&self, w: Option<FloatType>, res: bool) -> Result<RmsNormKernel, GpuError> {
-        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res, scalar: None })?, maxg: self.maxg() })
+    /// Rows of `d` values.
+    pub fn rms_norm(&self, w: Option<FloatType>, res: bool, d: usize) -> Result<RmsNormKernel, GpuError> {
+        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res, scalar: None, steps: norm_steps(d) })?, maxg: self.maxg() })
     }
 
     /// `(res + rms_norm(x)) * s` with a scalar weight `s` of dtype `scalar` (`Op::RmsNormAdd`
     /// with `scaled`).
-    pub fn rms_norm_add_scaled(&self, w: Option<FloatType>, scalar: FloatType) -> Result<RmsNormKernel, GpuError> {
-        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res: true, scalar: Some(scalar) })?, maxg: self.maxg() })
+    pub fn rms_norm_add_scaled(&self, w: Option<FloatType>, scalar: FloatType, d: usize) -> Result<RmsNormKernel, GpuError> {
+        Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res: true, scalar: Some(scalar), steps: norm_steps(d) })?, maxg: self.maxg() })
     }
 
     /// `norm`: an RMSNorm per head in front, with its weight's dtype (`Some(None)`: no weight).

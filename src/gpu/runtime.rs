@@ -315,8 +315,8 @@ impl GpuExecutor {
                             _ => None,
                         };
                         let k = match sv {
-                            Some(s) => self.kernels.rms_norm_add_scaled(wv.map(|v| v.1), s.1),
-                            None => self.kernels.rms_norm(wv.map(|v| v.1), res),
+                            Some(s) => self.kernels.rms_norm_add_scaled(wv.map(|v| v.1), s.1, d),
+                            None => self.kernels.rms_norm(wv.map(|v| v.1), res, d),
                         }
                         .map_err(kerr)?;
                         let p = uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
