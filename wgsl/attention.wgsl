@@ -19,10 +19,14 @@
 // each reading every eighth vec4 of the key's row, summed by shuffles: a subgroup's loads read
 // whole lines (an invocation per key made each load touch as many rows as invocations).
 //
+// PREFETCH (with COOP): the first tile's first two passes of key rows are loaded at the start,
+// before q's loads, norm and RoPE, and kept in registers (zeros past the split's keys and D4,
+// as are qr's unused vec4s: their products vanish).
+//
 // Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded
 // for the q tile), QPL
 // (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
-// Flags: SUBGROUP, COOP, SPLIT, QROPE, HAS_NW.
+// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, QROPE, HAS_NW.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
 // 6 rope params (QROPE), 7 norm weight (QROPE with a weight).
 
@@ -128,6 +132,30 @@ fn main(
     let chunk = (n + p.nsplit - 1u) / p.nsplit;
     let js = min(lo + sp * chunk, pp + 1u);
     let je = min(js + chunk, pp + 1u);
+//#if COOP
+    // eight invocations per key
+    let kg = lid >> 3u;
+    let c8 = lid & 7u;
+//#endif
+//#if PREFETCH
+    // the first tile's first two passes of key rows, loaded before q's norm and RoPE (they
+    // depend on the positions alone): their memory round trip overlaps q's
+    var kp0: array<vec4<f32>, QPL>;
+    var kp1: array<vec4<f32>, QPL>;
+    let ja = js + kg;
+    let jb = ja + WG / 8u;
+    let kba = ((ja % p.S) * p.nkv + kh) * D4;
+    let kbb = ((jb % p.S) * p.nkv + kh) * D4;
+    for (var i = 0u; i < QPL; i++) {
+        let e = c8 + 8u * i;
+        if e < D4 && ja < je {
+            kp0[i] = kc[kba + e];
+        }
+        if e < D4 && jb < je {
+            kp1[i] = kc[kbb + e];
+        }
+    }
+//#endif
 
 //#if QROPE
     // rope(rms_norm(q row)) * scale
@@ -174,9 +202,7 @@ fn main(
     let vl = lid / D4;
     var o4 = vec4<f32>(0.0);
 //#if COOP
-    // eight invocations per key: invocation c of a group holds q's vec4s c, c + 8, ..
-    let kg = lid >> 3u;
-    let c8 = lid & 7u;
+    // invocation c of a group holds q's vec4s c, c + 8, ..
     var qr: array<vec4<f32>, QPL>;
     for (var i = 0u; i < QPL; i++) {
         let e = c8 + 8u * i;
@@ -196,7 +222,19 @@ fn main(
         for (var k0 = 0u; k0 < cnt; k0 += WG / 8u) {
             let jk = j0 + k0 + kg;
             var a = vec4<f32>(0.0);
+//#if PREFETCH
+            if j0 == js && k0 == 0u {
+                for (var i = 0u; i < QPL; i++) {
+                    a = fma(qr[i], kp0[i], a);
+                }
+            } else if j0 == js && k0 == WG / 8u {
+                for (var i = 0u; i < QPL; i++) {
+                    a = fma(qr[i], kp1[i], a);
+                }
+            } else if jk < je {
+//#else
             if jk < je {
+//#endif
                 let kb = ((jk % p.S) * p.nkv + kh) * D4;
                 for (var i = 0u; i < QPL; i++) {
                     let e = c8 + 8u * i;

@@ -350,7 +350,8 @@ impl KernelSpec {
                 .flag("QROPE", qrope.is_some())
                 .flag("HAS_NW", qrope.flatten().is_some())
                 .flag("SUBGROUP", sg)
-                .flag("COOP", sg && std::env::var("MARKBASE_ATTN_COOP").map_or(true, |v| v != "0")),
+                .flag("COOP", sg && env_on("MARKBASE_ATTN_COOP"))
+                .flag("PREFETCH", sg && env_on("MARKBASE_ATTN_COOP") && env_on("MARKBASE_ATTN_PREFETCH")),
             KernelSpec::AttnCombine => Source::new(&[COMMON, ATTN_COMBINE]).c("WG", 64),
             KernelSpec::GeGlu => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("GEGLU", true),
             KernelSpec::Binary { b } => {
@@ -587,6 +588,11 @@ fn grid(n: u64, max: u32) -> [u32; 3] {
 }
 
 /// A tuning override from the environment.
+/// A switch read from the environment: on unless set to `0`.
+fn env_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
+}
+
 fn env_u32(name: &str) -> Option<u32> {
     std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok())
 }
