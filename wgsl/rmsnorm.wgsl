@@ -42,6 +42,34 @@ fn norm_scale(i: u32) -> f32 {
 //#endif
 }
 
+// The residual's value i (RES).
+fn res_at(i: u32) -> f32 {
+//#if RES
+    return res[i];
+//#else
+    return 0.0;
+//#endif
+}
+
+// The scalar weight (1 without SCALAR).
+fn row_scalar() -> f32 {
+//#if SCALAR
+    return nw_scale(sw[0], 0u, SDT, 1u);
+//#else
+    return 1.0;
+//#endif
+}
+
+// An output from x's value v, the residual's rv, the weight scale w, the row's 1 / rms r and
+// the scalar s.
+fn finish(v: f32, rv: f32, w: f32, r: f32, s: f32) -> f32 {
+//#if RES
+    return (rv + v * r * w) * s;
+//#else
+    return v * r * w;
+//#endif
+}
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -59,6 +87,7 @@ fn main(
     init_ids(lid, 0u, 0u, 1u);
 //#endif
     let D = p.D;
+    let s = row_scalar();
     // 8 elements per invocation and step, loaded before they are used (one memory
     // round trip per step, not per element: a lone row is latency-bound).
     for (var row = wid.y * nwg.x + wid.x; row < p.rows; row += nwg.x * nwg.y) {
@@ -69,12 +98,8 @@ fn main(
         let c$j = min(i$j, D - 1u);
         let v$j = select(0.0, x[b + c$j], i$j < D);
 //#endrepeat
-//#if RES
 //#repeat NS j
-        let r$j = res[b + c$j];
-//#endrepeat
-//#endif
-//#repeat NS j
+        let r$j = res_at(b + c$j);
         let w$j = norm_scale(c$j);
 //#endrepeat
         var ss = 0.0;
@@ -82,18 +107,9 @@ fn main(
         ss = fma(v$j, v$j, ss);
 //#endrepeat
         let r = 1.0 / sqrt(wg_sum(ss) / f32(D) + p.eps);
-//#if SCALAR
-        let s = nw_scale(sw[0], 0u, SDT, 1u);
-//#endif
 //#repeat NS j
         if i$j < D {
-//#if RES && SCALAR
-            out[b + i$j] = (r$j + v$j * r * w$j) * s;
-//#elif RES
-            out[b + i$j] = r$j + v$j * r * w$j;
-//#else
-            out[b + i$j] = v$j * r * w$j;
-//#endif
+            out[b + i$j] = finish(v$j, r$j, w$j, r, s);
         }
 //#endrepeat
 //#else
@@ -107,20 +123,11 @@ fn main(
         }
         let tot = wg_sum(ss);
         let r = 1.0 / sqrt(tot / f32(D) + p.eps);
-//#if SCALAR
-        let s = nw_scale(sw[0], 0u, SDT, 1u);
-//#endif
         for (var i0 = lid; i0 < D; i0 += 8u * WG) {
 //#repeat 8 j
             let i$j = i0 + $ju * WG;
             let c$j = min(i$j, D - 1u);
-//#if RES && SCALAR
-            let o$j = (res[b + c$j] + x[b + c$j] * r * norm_scale(c$j)) * s;
-//#elif RES
-            let o$j = res[b + c$j] + x[b + c$j] * r * norm_scale(c$j);
-//#else
-            let o$j = x[b + c$j] * r * norm_scale(c$j);
-//#endif
+            let o$j = finish(x[b + c$j], res_at(b + c$j), norm_scale(c$j), r, s);
 //#endrepeat
 //#repeat 8 j
             if i$j < D {

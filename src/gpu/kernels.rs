@@ -340,18 +340,21 @@ impl KernelSpec {
                 .flag("CACHE", cache && norm.is_some())
                 .flag("HAS_NW", norm.flatten().is_some()),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
-            KernelSpec::Attention { dpt, split, qrope } => Source::new(&[COMMON, ATTENTION])
-                .c("WG", ATTN_WG)
-                .c("DPT", dpt)
-                .c("QV4", dpt * ATTN_WG / 4)
-                .c("QPL", (dpt * ATTN_WG / 4).div_ceil(8))
-                .c("NDT", qrope.flatten().map_or(2, dt_code))
-                .flag("SPLIT", split)
-                .flag("QROPE", qrope.is_some())
-                .flag("HAS_NW", qrope.flatten().is_some())
-                .flag("SUBGROUP", sg)
-                .flag("COOP", sg && env_on("MARKBASE_ATTN_COOP"))
-                .flag("PREFETCH", sg && env_on("MARKBASE_ATTN_COOP") && env_on("MARKBASE_ATTN_PREFETCH")),
+            KernelSpec::Attention { dpt, split, qrope } => {
+                let coop = sg && env_on("MARKBASE_ATTN_COOP");
+                Source::new(&[COMMON, ATTENTION])
+                    .c("WG", ATTN_WG)
+                    .c("DPT", dpt)
+                    .c("QV4", dpt * ATTN_WG / 4)
+                    .c("QPL", (dpt * ATTN_WG / 4).div_ceil(8))
+                    .c("NDT", qrope.flatten().map_or(2, dt_code))
+                    .flag("SPLIT", split)
+                    .flag("QROPE", qrope.is_some())
+                    .flag("HAS_NW", qrope.flatten().is_some())
+                    .flag("SUBGROUP", sg)
+                    .flag("COOP", coop)
+                    .flag("PREFETCH", coop && env_on("MARKBASE_ATTN_PREFETCH"))
+            }
             KernelSpec::AttnCombine => Source::new(&[COMMON, ATTN_COMBINE]).c("WG", 64),
             KernelSpec::GeGlu => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("GEGLU", true),
             KernelSpec::Binary { b } => {
@@ -563,8 +566,6 @@ pub struct Kernels {
     cache: Mutex<HashMap<KernelSpec, Arc<Kernel>>>,
 }
 
-/// Splits `n` workgroups over x (and y when above the per-dimension limit); the
-/// kernels walk `gid.x + gid.y * stride` so any coverage works.
 /// Register steps of an RMSNorm over rows of `d` values: the fewest that hold a row (up to 2:
 /// 16 values per invocation; 3 measured slower than the loop on the H200), else 0 (the looping
 /// kernel). `MARKBASE_NORM_REG=0` forces 0.
@@ -577,6 +578,8 @@ fn norm_steps(d: usize) -> u32 {
     }
 }
 
+/// Splits `n` workgroups over x (and y when above the per-dimension limit); the
+/// kernels walk `gid.x + gid.y * stride` so any coverage works.
 fn grid(n: u64, max: u32) -> [u32; 3] {
     let n = n.max(1);
     if n <= max as u64 {
@@ -587,12 +590,12 @@ fn grid(n: u64, max: u32) -> [u32; 3] {
     }
 }
 
-/// A tuning override from the environment.
 /// A switch read from the environment: on unless set to `0`.
 fn env_on(name: &str) -> bool {
     std::env::var(name).map_or(true, |v| v != "0")
 }
 
+/// A tuning override from the environment.
 fn env_u32(name: &str) -> Option<u32> {
     std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok())
 }
