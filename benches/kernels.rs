@@ -87,9 +87,9 @@ fn attention(c: &mut Criterion) {
     let kc = gpu.upload_f32("k", &vec![0.01f32; ctx * nkv * d]);
     let vc = gpu.upload_f32("v", &vec![0.02f32; ctx * nkv * d]);
     let out = gpu.storage("out", (nq * d * 4) as u64);
-    let part = gpu.storage("part", ak.partials_bytes(1, nq, d));
+    let sc = ak.scratch(&gpu, "attention", 1, nq, d);
     let pb = gpu.uniform("p", &ak.params(1, nq, nkv, d, ctx, 1.0, None));
-    let bg = ak.bind_groups(&gpu.device, &pb, &q, &pos, &kc, &vc, &out, Some(&part), &[]);
+    let bg = ak.bind_groups(&gpu.device, &pb, &q, &pos, &kc, &vc, &out, sc.as_ref(), &[]);
     g.throughput(Throughput::Bytes((2 * ctx * nkv * d * 4) as u64));
     g.bench_function("gqa8x4_d256", |b| b.iter(|| submit_wait(&gpu, |pass| ak.dispatch(pass, &bg, 1, nq))));
     g.finish();

@@ -30,9 +30,9 @@ fn env() -> &'static Env {
     ENV.get_or_init(|| {
         let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
         println!("adapter: {}", gpu.info.summary());
-        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All, half_blocks: true }).unwrap())];
+        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All, half_blocks: true, merge_splits: false }).unwrap())];
         if gpu.info.subgroups && gpu.info.subgroup_min_size >= 8 {
-            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All, half_blocks: true }).unwrap()));
+            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All, half_blocks: true, merge_splits: false }).unwrap()));
         } else {
             println!("adapter has no subgroups (of 8 invocations or more): only the subgroup-free path runs");
         }
@@ -764,18 +764,25 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
     let mut want = vec![0f32; q.len()];
     cpu::attention(&q, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
     let (qb, pb, kb, vb) = (gpu.upload_f32("q", &q), gpu.upload_u32("pos", &pos), gpu.upload_f32("k", &kc), gpu.upload_f32("v", &vc));
+    // split partials merged by a combine dispatch, then by each head's last workgroup (twice:
+    // the merging workgroup leaves its counter at zero for the next dispatch)
+    let merges: &[bool] = if nsplit > 1 { &[false, true] } else { &[false] };
     for (label, ks) in &e.variants {
-        let k = ks.attention(d, nsplit).unwrap();
-        let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
-        let out = gpu.storage("out", (q.len() * 4) as u64);
-        let part = gpu.storage("part", k.partials_bytes(t, nq, d));
-        let bg = k.bind_groups(&gpu.device, &p, &qb, &pb, &kb, &vb, &out, Some(&part), &[]);
-        run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
-        check(
-            &format!("attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit}"),
-            &gpu.read_f32(&out, q.len()).unwrap(),
-            &want,
-        );
+        for &merge in merges {
+            let k = ks.attention_merge(d, nsplit, None, merge).unwrap();
+            let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
+            let sc = k.scratch(gpu, "attention", t, nq, d);
+            for rep in 0..1 + merge as usize {
+                let out = gpu.storage("out", (q.len() * 4) as u64);
+                let bg = k.bind_groups(&gpu.device, &p, &qb, &pb, &kb, &vb, &out, sc.as_ref(), &[]);
+                run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
+                check(
+                    &format!("attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit} merge={merge} run {rep}"),
+                    &gpu.read_f32(&out, q.len()).unwrap(),
+                    &want,
+                );
+            }
+        }
     }
     // the queries' norm (bf16 weight, 1 + w) and RoPE done by the attention pass, from heads
     // 1..1 + nq of a value with nq + 2 heads
@@ -794,17 +801,19 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
     let rp = RopeParams::new(t, nq, d, theta, 1.0, pairs).with_norm(Some((NormScale::OnePlusW, 1e-6))).with_heads(xh, h0);
     let rpb = gpu.uniform("rope", &rp);
     for (label, ks) in &e.variants {
-        let k = ks.attention_with(d, nsplit, Some(Some(FloatType::Bf16))).unwrap();
-        let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
-        let out = gpu.storage("out", (want.len() * 4) as u64);
-        let part = gpu.storage("part", k.partials_bytes(t, nq, d));
-        let bg = k.bind_groups(&gpu.device, &p, &xb, &pb, &kb, &vb, &out, Some(&part), &[(6, &rpb), (7, &nwb)]);
-        run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
-        check(
-            &format!("norm_rope_attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit}"),
-            &gpu.read_f32(&out, want.len()).unwrap(),
-            &want,
-        );
+        for &merge in merges {
+            let k = ks.attention_merge(d, nsplit, Some(Some(FloatType::Bf16)), merge).unwrap();
+            let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
+            let out = gpu.storage("out", (want.len() * 4) as u64);
+            let sc = k.scratch(gpu, "attention", t, nq, d);
+            let bg = k.bind_groups(&gpu.device, &p, &xb, &pb, &kb, &vb, &out, sc.as_ref(), &[(6, &rpb), (7, &nwb)]);
+            run(gpu, |pass| k.dispatch(pass, &bg, t, nq));
+            check(
+                &format!("norm_rope_attention [{label}] T={t} nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos0={pos0} split={nsplit} merge={merge}"),
+                &gpu.read_f32(&out, want.len()).unwrap(),
+                &want,
+            );
+        }
     }
 }
 
@@ -1219,7 +1228,7 @@ fn gemv_bandwidth() {
             for sg in [false, true] {
                 if !sg || gpu.info.subgroups {
                     let label = format!("{}{c:?}", if sg { "subgroup " } else { "plain " });
-                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c, half_blocks: true }).unwrap()));
+                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c, half_blocks: true, merge_splits: false }).unwrap()));
                 }
             }
         }

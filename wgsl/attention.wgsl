@@ -11,6 +11,11 @@
 // otherwise (SPLIT) out receives per split [D unnormalized outputs, max, sum] and
 // attn_combine.wgsl merges them.
 //
+// MERGE (with SPLIT): no combine dispatch. Each workgroup, its partials stored, fences them
+// (storageBarrier: a device-scope release and acquire in SPIR-V) and counts itself in its
+// head's counter; the one that brings it to nsplit merges the head's partials into fin (the
+// combine's arithmetic, nsplit <= WG) and zeroes the counter for the next dispatch.
+//
 // QROPE: q is first RMS-normed and rotated (rope.wgsl's NORM path, its params at binding 6):
 // heads head0.. of a value with x_heads heads per row (a fused q/k/v projection), so q's
 // norm and RoPE need no pass of their own.
@@ -26,9 +31,10 @@
 // Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded
 // for the q tile), QPL
 // (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
-// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, QROPE, HAS_NW.
+// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, MERGE, QROPE, HAS_NW.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
-// 6 rope params (QROPE), 7 norm weight (QROPE with a weight).
+// 6 rope params (QROPE), 7 norm weight (QROPE with a weight), 8 fin [T, nq, D] and 9 a
+// counter per (t, head) (MERGE).
 
 struct Params {
     T: u32,
@@ -51,6 +57,11 @@ struct Params {
 @group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+//#if MERGE
+@group(0) @binding(8) var<storage, read_write> fin: array<f32>;
+@group(0) @binding(9) var<storage, read_write> done: array<atomic<u32>>;
+var<workgroup> wlast: u32;
+//#endif
 
 var<workgroup> qs: array<vec4<f32>, QV4>;
 
@@ -316,6 +327,35 @@ fn main(
         out[ob + D] = m;
         out[ob + D + 1u] = l;
     }
+//#if MERGE
+    storageBarrier();
+    let hc = t * p.nq + h;
+    if lid == 0u {
+        wlast = u32(atomicAdd(&done[hc], 1u) + 1u == p.nsplit);
+    }
+    if workgroupUniformLoad(&wlast) == 1u {
+        storageBarrier();
+        // split lid's weight e^(m - M) / sum_s l_s e^(m_s - M) (nsplit <= WG), then the sums
+        let b = hc * p.nsplit * (D + 2u);
+        let sb = b + min(lid, p.nsplit - 1u) * (D + 2u) + D;
+        let ms = select(NEG_BIG, out[sb], lid < p.nsplit);
+        let mx = wg_max(ms);
+        let ws = select(0.0, exp(ms - mx), lid < p.nsplit);
+        let ls = wg_sum(ws * out[sb + 1u]);
+        ps[lid] = ws / ls;
+        workgroupBarrier();
+        for (var d = lid; d < D; d += WG) {
+            var a = 0.0;
+            for (var s = 0u; s < p.nsplit; s++) {
+                a = fma(out[b + s * (D + 2u) + d], ps[s], a);
+            }
+            fin[hc * D + d] = a;
+        }
+        if lid == 0u {
+            atomicStore(&done[hc], 0u);
+        }
+    }
+//#endif
 //#else
     let ob = (t * p.nq + h) * D;
     if lid < D4 {

@@ -20,7 +20,7 @@ use bytemuck::{Pod, Zeroable};
 use markbase_graph::ops::{BinaryOp, NormScale, UnaryOp};
 use markbase_graph::quant::FloatType;
 
-use super::device::{Gpu, GpuError};
+use super::device::{Backend, Gpu, GpuError};
 use super::shader::{reflect_bindings, BindKind, Source};
 use super::weights::{GpuFormat, GpuWeight};
 
@@ -160,8 +160,9 @@ pub enum KernelSpec {
     Rope { norm: Option<Option<FloatType>>, cache: bool },
     KvWrite,
     /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs; `qrope`:
-    /// q's RMSNorm (weight dtype) and RoPE in front (`Op::NormRopeAttention`).
-    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>> },
+    /// q's RMSNorm (weight dtype) and RoPE in front (`Op::NormRopeAttention`); `merge` (with
+    /// `split`): the last workgroup of each query head to finish merges the partials itself.
+    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>>, merge: bool },
     AttnCombine,
     GeGlu,
     Binary { b: FloatType },
@@ -251,9 +252,10 @@ impl KernelSpec {
             KernelSpec::Rope { norm: None, .. } => "rope".into(),
             KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
             KernelSpec::KvWrite => "kv_write".into(),
-            KernelSpec::Attention { dpt, split, qrope } => format!(
-                "attention[dpt{dpt}{}{}]",
+            KernelSpec::Attention { dpt, split, qrope, merge } => format!(
+                "attention[dpt{dpt}{}{}{}]",
                 if *split { " split" } else { "" },
+                if *split && *merge { " merge" } else { "" },
                 qrope.map_or(String::new(), |w| format!(" norm_rope[{}]", w.map_or("none", |t| t.name())))
             ),
             KernelSpec::AttnCombine => "attn_combine".into(),
@@ -340,7 +342,7 @@ impl KernelSpec {
                 .flag("CACHE", cache && norm.is_some())
                 .flag("HAS_NW", norm.flatten().is_some()),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
-            KernelSpec::Attention { dpt, split, qrope } => {
+            KernelSpec::Attention { dpt, split, qrope, merge } => {
                 let coop = sg && env_on("MARKBASE_ATTN_COOP");
                 Source::new(&[COMMON, ATTENTION])
                     .c("WG", ATTN_WG)
@@ -349,6 +351,7 @@ impl KernelSpec {
                     .c("QPL", (dpt * ATTN_WG / 4).div_ceil(8))
                     .c("NDT", qrope.flatten().map_or(2, dt_code))
                     .flag("SPLIT", split)
+                    .flag("MERGE", split && merge)
                     .flag("QROPE", qrope.is_some())
                     .flag("HAS_NW", qrope.flatten().is_some())
                     .flag("SUBGROUP", sg)
@@ -429,8 +432,8 @@ impl KernelSpec {
         }
         for dpt in [1, 2, 4] {
             for split in [false, true] {
-                v.push(KernelSpec::Attention { dpt, split, qrope: None });
-                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)) });
+                v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false });
+                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split });
             }
         }
         v.extend([
@@ -505,6 +508,11 @@ pub struct KernelOptions {
     /// activation loads on a GPU); whole blocks cost less on a CPU adapter, where there is
     /// nothing to coalesce and twice the invocations cost twice the scale loads and sums.
     pub half_blocks: bool,
+    /// Split decode attention merges its partials in the workgroup of each head that finishes
+    /// last (a device-scope fence and an atomic counter per head) instead of a second
+    /// dispatch. Vulkan only: its storage barriers are device-scope fences (SPIR-V), which
+    /// the Metal, D3D12 and GL translations do not promise.
+    pub merge_splits: bool,
 }
 
 impl KernelOptions {
@@ -515,6 +523,7 @@ impl KernelOptions {
             subgroups: gpu.info.subgroups && gpu.info.subgroup_min_size >= 8,
             checks: ShaderChecks::from_env(),
             half_blocks: gpu.info.device_type != "cpu",
+            merge_splits: gpu.info.backend == Backend::Vulkan && env_on("MARKBASE_ATTN_MERGE"),
         }
     }
 }
@@ -845,14 +854,22 @@ impl Kernels {
     /// `qrope`: q's norm (weight dtype) and RoPE in front (`Op::NormRopeAttention`; bindings 6
     /// the `RopeParams`, 7 the norm weight).
     pub fn attention_with(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>) -> Result<AttentionKernel, GpuError> {
+        self.attention_merge(d, nsplit, qrope, self.opts.merge_splits)
+    }
+
+    /// [`Kernels::attention_with`], `merge`: split partials merged by the last workgroup of
+    /// each head (see [`KernelOptions::merge_splits`]) rather than by a combine dispatch.
+    pub fn attention_merge(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, merge: bool) -> Result<AttentionKernel, GpuError> {
         if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
             return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
         }
         let dpt = div_ceil(d, ATTN_WG as usize) as u32;
         let split = nsplit > 1;
-        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope })?;
-        let combine = if split { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
-        Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
+        // the merging workgroup weighs a split per invocation
+        let merge = split && merge && nsplit <= ATTN_WG as usize;
+        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge })?;
+        let combine = if split && !merge { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
+        Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32, merge })
     }
 
     pub fn geglu(&self) -> Result<ElementwiseKernel, GpuError> {
@@ -1410,12 +1427,22 @@ pub struct AttentionParams {
 }
 
 /// Attention. Bindings: 0 params, 1 q `[T, nq, D]`, 2 pos, 3 k, 4 v (`[S, nkv, D]`),
-/// 5 out `[T, nq, D]` (split: the partials buffer of [`AttentionKernel::partials_bytes`]).
+/// 5 out `[T, nq, D]` (split: the partials of [`AttnScratch`]; merged in the pass: the
+/// output at 8 and the counters at 9).
 /// Split combine bindings: 0 params (the same buffer), 1 partials, 2 out.
 pub struct AttentionKernel {
     pub kernel: Arc<Kernel>,
     pub combine: Option<Arc<Kernel>>,
     pub nsplit: u32,
+    /// Split partials merged by each head's last workgroup.
+    pub merge: bool,
+}
+
+/// Scratch of a split attention: the partials, and a counter per query head when the pass
+/// merges them (zeroed at creation; the merging workgroup zeroes its counter again).
+pub struct AttnScratch {
+    pub partials: wgpu::Buffer,
+    pub counters: Option<wgpu::Buffer>,
 }
 
 impl AttentionKernel {
@@ -1439,7 +1466,17 @@ impl AttentionKernel {
     pub fn partials_bytes(&self, t: usize, nq: usize, d: usize) -> u64 {
         (t * nq * self.nsplit as usize * (d + 2) * 4) as u64
     }
-    /// `out` is the final output, `partials` the scratch buffer (split only); `extra`: more
+    /// The scratch buffers of a split attention over `t` queries of `nq` heads (`None`
+    /// without splits).
+    pub fn scratch(&self, gpu: &Gpu, name: &str, t: usize, nq: usize, d: usize) -> Option<AttnScratch> {
+        if self.nsplit <= 1 {
+            return None;
+        }
+        let partials = gpu.storage(&format!("{name}.partials"), self.partials_bytes(t, nq, d));
+        let counters = self.merge.then(|| gpu.storage(&format!("{name}.counters"), (t * nq * 4) as u64));
+        Some(AttnScratch { partials, counters })
+    }
+    /// `out` is the final output, `scratch` the split's buffers (split only); `extra`: more
     /// bindings (q's rope params at 6 and norm weight at 7 with a fused q norm + RoPE).
     #[allow(clippy::too_many_arguments)]
     pub fn bind_groups(
@@ -1451,23 +1488,24 @@ impl AttentionKernel {
         k: &wgpu::Buffer,
         v: &wgpu::Buffer,
         out: &wgpu::Buffer,
-        partials: Option<&wgpu::Buffer>,
+        scratch: Option<&AttnScratch>,
         extra: &[(u32, &wgpu::Buffer)],
     ) -> (wgpu::BindGroup, Option<wgpu::BindGroup>) {
-        let main = |o: &wgpu::Buffer| {
-            let mut b = vec![(0, params), (1, q), (2, pos), (3, k), (4, v), (5, o)];
-            b.extend_from_slice(extra);
-            self.kernel.bind_buffers(device, &b)
-        };
-        match &self.combine {
-            None => (main(out), None),
-            Some(c) => {
-                let part = partials.expect("split attention needs a partials buffer");
-                let a = main(part);
-                let b = c.bind_buffers(device, &[(0, params), (1, part), (2, out)]);
-                (a, Some(b))
-            }
+        let mut b = vec![(0, params), (1, q), (2, pos), (3, k), (4, v)];
+        b.extend_from_slice(extra);
+        if self.nsplit <= 1 {
+            b.push((5, out));
+            return (self.kernel.bind_buffers(device, &b), None);
         }
+        let s = scratch.expect("split attention needs its scratch buffers");
+        b.push((5, &s.partials));
+        if self.merge {
+            b.push((8, out));
+            b.push((9, s.counters.as_ref().expect("a merging split attention needs its counters")));
+        }
+        let a = self.kernel.bind_buffers(device, &b);
+        let c = self.combine.as_ref().map(|c| c.bind_buffers(device, &[(0, params), (1, &s.partials), (2, out)]));
+        (a, c)
     }
     pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &(wgpu::BindGroup, Option<wgpu::BindGroup>), t: usize, nq: usize) {
         self.kernel.dispatch(pass, &bg.0, [nq as u32, t as u32, self.nsplit]);

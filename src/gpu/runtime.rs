@@ -456,14 +456,12 @@ impl GpuExecutor {
                                 extra.push((7, b));
                             }
                         }
-                        let part = if k.combine.is_some() {
-                            let b = self.gpu.storage(&format!("{}.partials", node.name), k.partials_bytes(t, nq, d));
-                            scratch.push(b.clone());
-                            Some(b)
-                        } else {
-                            None
-                        };
-                        let (a, b) = k.bind_groups(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, part.as_ref(), &extra);
+                        let sc = k.scratch(&self.gpu, &node.name, t, nq, d);
+                        if let Some(sc) = &sc {
+                            scratch.push(sc.partials.clone());
+                            scratch.extend(sc.counters.clone());
+                        }
+                        let (a, b) = k.bind_groups(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, sc.as_ref(), &extra);
                         push(k.kernel.clone(), a, [nq as u32, t as u32, k.nsplit]);
                         if let (Some(ck), Some(b)) = (&k.combine, b) {
                             push(ck.clone(), b, [nq as u32, t as u32, 1]);
