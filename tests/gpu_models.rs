@@ -197,28 +197,7 @@ fn one_submission_per_phase() {
 /// on the same tokens, with no NaN.
 #[test]
 fn long_decode_past_the_window_matches_cpu() {
-    use markbase::model::{GenerateParams, Model, ModelOptions};
     for name in ["gemma3_text-q4", "gemma4_dense_ple-q4", "gemma4_moe-q4"] {
-        let r = common::reference(name);
-        let prompt = &r.tokens[..10];
-        let n = 600;
-        let opts = ModelOptions { device: DeviceKind::Gpu(None), max_context: 640, prefill_chunk: 64, ..Default::default() };
-        let mut gpu = Model::load(common::fixture(name), opts).unwrap();
-        let p = GenerateParams { max_tokens: n, stop_at_eos: false, text: false, ..Default::default() };
-        let gen: Vec<u32> = gpu.generate(prompt, p).unwrap().map(|x| x.unwrap().token).collect();
-        assert_eq!(gen.len(), n);
-        let mut seq = prompt.to_vec();
-        seq.extend_from_slice(&gen[..n - 1]);
-        let opts = ModelOptions { device: DeviceKind::Cpu, max_context: 640, prefill_chunk: 64, ..Default::default() };
-        let mut cpu = Model::load(common::fixture(name), opts).unwrap();
-        let rows = cpu.logits(&seq).unwrap();
-        let mut agree = 0;
-        for (j, &t) in gen.iter().enumerate() {
-            let row = &rows[prompt.len() - 1 + j];
-            assert!(row.iter().all(|v| v.is_finite()), "{name}: NaN at step {j}");
-            agree += (markbase::cpu::ops::argmax(row) == t) as usize;
-        }
-        println!("{name}: GPU greedy and CPU argmax agree at {agree}/{n} steps");
-        assert!(agree * 100 >= 99 * n, "{name}: only {agree}/{n}");
+        common::long_decode_matches_cpu(name, 600);
     }
 }
