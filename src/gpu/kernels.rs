@@ -846,7 +846,8 @@ impl Kernels {
     }
 
     /// Attention for head dim `d`; `nsplit > 1` splits each query's keys over that many
-    /// workgroups (decode over long contexts) and adds the combine dispatch.
+    /// workgroups (decode over long contexts), merged in the pass
+    /// ([`KernelOptions::merge_splits`]) or by a combine dispatch.
     pub fn attention(&self, d: usize, nsplit: usize) -> Result<AttentionKernel, GpuError> {
         self.attention_with(d, nsplit, None)
     }
