@@ -511,7 +511,7 @@ pub struct KernelOptions {
     /// Split decode attention merges its partials in the workgroup of each head that finishes
     /// last (a device-scope fence and an atomic counter per head) instead of a second
     /// dispatch. Vulkan only: its storage barriers are device-scope fences (SPIR-V), which
-    /// the Metal, D3D12 and GL translations do not promise.
+    /// the Metal, D3D12 and GL translations do not promise (nor MoltenVK, a Vulkan over Metal).
     pub merge_splits: bool,
 }
 
@@ -523,7 +523,7 @@ impl KernelOptions {
             subgroups: gpu.info.subgroups && gpu.info.subgroup_min_size >= 8,
             checks: ShaderChecks::from_env(),
             half_blocks: gpu.info.device_type != "cpu",
-            merge_splits: gpu.info.backend == Backend::Vulkan && env_on("MARKBASE_ATTN_MERGE"),
+            merge_splits: gpu.info.backend == Backend::Vulkan && !gpu.info.driver.contains("MoltenVK") && env_on("MARKBASE_ATTN_MERGE"),
         }
     }
 }
