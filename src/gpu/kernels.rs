@@ -870,7 +870,7 @@ impl Kernels {
         let merge = split && merge && nsplit <= ATTN_WG as usize;
         let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge })?;
         let combine = if split && !merge { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
-        Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32, merge })
+        Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
     }
 
     pub fn geglu(&self) -> Result<ElementwiseKernel, GpuError> {
@@ -1435,8 +1435,6 @@ pub struct AttentionKernel {
     pub kernel: Arc<Kernel>,
     pub combine: Option<Arc<Kernel>>,
     pub nsplit: u32,
-    /// Split partials merged by each head's last workgroup.
-    pub merge: bool,
 }
 
 /// Scratch of a split attention: the partials, and a counter per query head when the pass
@@ -1463,6 +1461,10 @@ impl AttentionKernel {
             _pad: [0; 3],
         }
     }
+    /// Whether each head's last workgroup merges the split partials (splits, no combine).
+    pub fn merges(&self) -> bool {
+        self.nsplit > 1 && self.combine.is_none()
+    }
     /// Bytes of the scratch buffer for split partials.
     pub fn partials_bytes(&self, t: usize, nq: usize, d: usize) -> u64 {
         (t * nq * self.nsplit as usize * (d + 2) * 4) as u64
@@ -1474,7 +1476,7 @@ impl AttentionKernel {
             return None;
         }
         let partials = gpu.storage(&format!("{name}.partials"), self.partials_bytes(t, nq, d));
-        let counters = self.merge.then(|| gpu.storage(&format!("{name}.counters"), (t * nq * 4) as u64));
+        let counters = self.merges().then(|| gpu.storage(&format!("{name}.counters"), (t * nq * 4) as u64));
         Some(AttnScratch { partials, counters })
     }
     /// `out` is the final output, `scratch` the split's buffers (split only); `extra`: more
@@ -1500,7 +1502,7 @@ impl AttentionKernel {
         }
         let s = scratch.expect("split attention needs its scratch buffers");
         b.push((5, &s.partials));
-        if self.merge {
+        if self.merges() {
             b.push((8, out));
             b.push((9, s.counters.as_ref().expect("a merging split attention needs its counters")));
         }
