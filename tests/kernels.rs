@@ -622,18 +622,25 @@ fn norm_matmul_formats() {
                 let mut up = vec![0f32; n];
                 cpu::matmul(&xn, &wref2, k, n, &mut up);
                 let want_gu: Vec<f32> = want.iter().zip(&up).map(|(&g, &u)| cpu::gelu(g) * u).collect();
-                let mm = ks.norm_geglu(fmt, k, nt).unwrap();
-                let y = gpu.storage("y", (n * 4) as u64);
-                let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
-                let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
-                let bgs: Vec<wgpu::BindGroup> =
-                    (0..gw.chunks.len()).map(|c| mm.bind_group_dual(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, &gw2, c)).collect();
-                run(gpu, |pass| {
-                    for (c, d) in dims.iter().enumerate() {
-                        mm.dispatch(pass, &bgs[c], d);
-                    }
-                });
-                check(&format!("norm_geglu {} {scale:?} [{label}] N={n} K={k}", fmt.describe()), &gpu.read_f32(&y, n).unwrap(), &want_gu);
+                let mm = ks.norm_geglu(fmt, k, n, nt).unwrap();
+                // and as for wide weights: 8 rows of each per workgroup
+                let KernelSpec::Gemv { rows, .. } = mm.spec else { panic!("not a GEMV") };
+                let wide = ks.norm_geglu(fmt, k, GEMV_DUAL_WIDE_N, nt).unwrap();
+                let KernelSpec::Gemv { rows: wide_rows, .. } = wide.spec else { panic!("not a GEMV") };
+                let runs = if wide_rows != rows { vec![mm, wide] } else { vec![mm] };
+                for mm in &runs {
+                    let y = gpu.storage("y", (n * 4) as u64);
+                    let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
+                    let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                    let bgs: Vec<wgpu::BindGroup> =
+                        (0..gw.chunks.len()).map(|c| mm.bind_group_dual(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, &gw2, c)).collect();
+                    run(gpu, |pass| {
+                        for (c, d) in dims.iter().enumerate() {
+                            mm.dispatch(pass, &bgs[c], d);
+                        }
+                    });
+                    check(&format!("norm_geglu {} {scale:?} [{label}] {}", fmt.describe(), mm.kernel.name), &gpu.read_f32(&y, n).unwrap(), &want_gu);
+                }
                 // q, k and v: two or three weights (row counts not multiples of a row group), one
                 // dispatch, outputs side by side
                 // (one norm convention per format: each is a separate, slow to build, kernel)
@@ -1239,7 +1246,7 @@ fn gemv_bandwidth() {
         for (label, ks) in &kss {
             let mm = match kind.as_str() {
                 "norm" => ks.norm_matmul(fmt, k, Some(FloatType::Bf16)).unwrap(),
-                "geglu" => ks.norm_geglu(fmt, k, Some(FloatType::Bf16)).unwrap(),
+                "geglu" => ks.norm_geglu(fmt, k, n, Some(FloatType::Bf16)).unwrap(),
                 _ => ks.matmul(fmt, k, t, false).unwrap(),
             };
             let d = MatMulDims::plain(&ws[0], 0, t);

@@ -19,12 +19,18 @@
 // workgroup. Bindings of the third weight: 16.. (renamed with a `_v` suffix).
 //
 // Prelude consts: WG, R, TT, RS (reduction slots per invocation: R * TT, twice that with
-// DUAL), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32); weight consts
+// DUAL), RS2 .. RS16 (RS / 2 .. RS / 16), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32); weight consts
 // (weights.wgsl).
 // HALF (one token, affine 4-bit, XVEC, not DUAL): two invocations per block, each taking
 // alternate runs of four elements (vec4s 2i + h of the block, nibbles 4h..4h+3 of each weight
 // word), so that a subgroup's vec4 activation loads read whole 32-byte sectors; an invocation
 // owning a whole block (128 contiguous bytes of x) makes each such load touch 32 lines.
+//
+// XRED (SUBGROUP, one token, RS a power of two up to 16, subgroups of at least RS invocations,
+// else a subgroupAdd per row): the RS sums are reduced across a subgroup in log2(RS) levels, each
+// lane handing half of its values to the lane across one bit of its index and keeping the sum of
+// the other half, then summing one value over the bits left: RS - 1 shuffles in all, plus
+// log2(subgroup / RS), where a subgroupAdd per sum costs RS * log2(subgroup).
 //
 // Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1,
 // BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW, DUAL, CAT, CAT3, HALF.
@@ -264,6 +270,7 @@ fn main(
     @builtin(subgroup_invocation_id) sgl: u32,
     @builtin(subgroup_id) sgi: u32,
     @builtin(num_subgroups) sgn: u32,
+    @builtin(subgroup_size) sgs: u32,
 //#endif
 ) {
 //#if SUBGROUP
@@ -443,23 +450,70 @@ fn main(
 //#endif
 //#endif
 //#if SUBGROUP
+            // the workgroup's sums per subgroup in red_g, then one invocation per sum adds them
+//#if XRED
+            let xred = sgs >= RS;
+            if xred {
+                // transposed reduction: each level halves the values a lane holds, keeping the
+                // half its lane bit selects and trading the other with the lane across that bit;
+                // after log2(RS) levels a lane holds one row, summed over the bits left
+                var v: array<f32, RS>;
 //#repeat R r
-            let s$r = subgroupAdd(acc$r);
+                v[$ru] = acc$r;
 //#endrepeat
 //#if DUAL
 //#repeat R r
-            let su$r = subgroupAdd(accu$r);
+                v[R + $ru] = accu$r;
 //#endrepeat
 //#endif
-            if g_sg_lane == 0u {
+                let m1 = sgs / 2u;
+                let h1 = (g_sg_lane & m1) != 0u;
+                let h2 = (g_sg_lane & (m1 / 2u)) != 0u;
+                let h3 = (g_sg_lane & (m1 / 4u)) != 0u;
+                let h4 = (g_sg_lane & (m1 / 8u)) != 0u;
+//#repeat RS2 j
+                v[$ju] = select(v[$ju], v[$ju + RS2], h1) + subgroupShuffleXor(select(v[$ju + RS2], v[$ju], h1), m1);
+//#endrepeat
+//#repeat RS4 j
+                v[$ju] = select(v[$ju], v[$ju + RS4], h2) + subgroupShuffleXor(select(v[$ju + RS4], v[$ju], h2), m1 / 2u);
+//#endrepeat
+//#repeat RS8 j
+                v[$ju] = select(v[$ju], v[$ju + RS8], h3) + subgroupShuffleXor(select(v[$ju + RS8], v[$ju], h3), m1 / 4u);
+//#endrepeat
+//#repeat RS16 j
+                v[$ju] = select(v[$ju], v[$ju + RS16], h4) + subgroupShuffleXor(select(v[$ju + RS16], v[$ju], h4), m1 / 8u);
+//#endrepeat
+                var sx = v[0];
+                for (var m = sgs / (2u * RS); m > 0u; m >>= 1u) {
+                    sx += subgroupShuffleXor(sx, m);
+                }
+                let row = select(0u, RS / 2u, h1) + select(0u, RS / 4u, h2) + select(0u, RS / 8u, h3) + select(0u, RS / 16u, h4);
+                if (g_sg_lane & (sgs / RS - 1u)) == 0u {
+                    red_g[g_sg_id * RS + row] = sx;
+                }
+            }
+//#else
+            let xred = false;
+//#endif
+            if !xred {
 //#repeat R r
-                red_g[g_sg_id * RS + $ru] = s$r;
+                let s$r = subgroupAdd(acc$r);
 //#endrepeat
 //#if DUAL
 //#repeat R r
-                red_g[g_sg_id * RS + R + $ru] = su$r;
+                let su$r = subgroupAdd(accu$r);
 //#endrepeat
 //#endif
+                if g_sg_lane == 0u {
+//#repeat R r
+                    red_g[g_sg_id * RS + $ru] = s$r;
+//#endrepeat
+//#if DUAL
+//#repeat R r
+                    red_g[g_sg_id * RS + R + $ru] = su$r;
+//#endrepeat
+//#endif
+                }
             }
             workgroupBarrier();
             var tot = 0.0;

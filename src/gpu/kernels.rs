@@ -46,6 +46,13 @@ pub const GEMM_MIN_T: usize = 8;
 /// Whether the one-token GEMV walks two blocks per step by default (`MARKBASE_GEMV_BP2=0|1`).
 pub const GEMV_BP2: bool = false;
 
+/// From this many rows per weight on, the dual GEMV takes 8 rows of each per workgroup (as
+/// many as a plain GEMV) instead of 4: measured on the H200 with the transposed reduction,
+/// Gemma 3 12B's 15,360 rows (1,920 workgroups) +3.6% decode and Gemma 4 31B's 21,504 +1.2%;
+/// Gemma 3 1B's 6,912 -2.5%, Gemma 4 E2B's 6,144 -4.6%, Gemma 3 270M's 2,048 -9% (too few
+/// workgroups to fill the GPU).
+pub const GEMV_DUAL_WIDE_N: usize = 14336;
+
 /// Whether a GEMV walks half blocks: one token, affine 4-bit, K % 32 == 0, one block per step.
 /// Two invocations share each 32-element block, each taking alternate runs of four elements,
 /// so that every vec4 load of activations by a subgroup reads whole 32-byte sectors (an
@@ -53,6 +60,12 @@ pub const GEMV_BP2: bool = false;
 /// Not for the dual GEMV: it reads two weights per step, and whole blocks measured faster.
 fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
     tt == 1 && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
+}
+/// Whether a one-token GEMV with `rs` sums per workgroup reduces them across each subgroup by
+/// the transposed reduction (gemv.wgsl, `XRED`): `rs` a power of two up to 16. Measured on the
+/// H200 against a `subgroupAdd` per row: the 12B's plain GEMV 25.0 -> 22.1 µs, decode +4.5%.
+fn gemv_xred(rs: u32) -> bool {
+    rs.is_power_of_two() && rs <= 16
 }
 /// Largest head dim the attention kernel takes.
 pub const MAX_HEAD_DIM: usize = 512;
@@ -281,6 +294,10 @@ impl KernelSpec {
                 let rs = rows * tt * if dual { 2 } else { 1 };
                 let s = Source::new(files)
                     .c("RS", rs)
+                    .c("RS2", rs / 2)
+                    .c("RS4", rs / 4)
+                    .c("RS8", rs / 8)
+                    .c("RS16", rs / 16)
                     .flag("DUAL", dual)
                     .c("NDT", norm.flatten().map_or(2, dt_code))
                     .flag("PRENORM", norm.is_some())
@@ -294,7 +311,8 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", tt == 1)
                     .flag("BP2", bp2 && tt == 1)
-                    .flag("HALF", half && gemv_half(fmt, tt, xvec, bp2, dual));
+                    .flag("HALF", half && gemv_half(fmt, tt, xvec, bp2, dual))
+                    .flag("XRED", gemv_xred(rs));
                 weight_source(s, fmt, true, xvec)
             }
             KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => {
@@ -302,6 +320,10 @@ impl KernelSpec {
                     if n == 3 { &[COMMON, WEIGHTS, weights_second(), weights_third(), GEMV] } else { &[COMMON, WEIGHTS, weights_second(), GEMV] };
                 let s = Source::new(files)
                     .c("RS", rows)
+                    .c("RS2", rows / 2)
+                    .c("RS4", rows / 4)
+                    .c("RS8", rows / 8)
+                    .c("RS16", rows / 16)
                     .flag("DUAL", false)
                     .c("NDT", norm.map_or(2, dt_code))
                     .flag("PRENORM", true)
@@ -316,6 +338,7 @@ impl KernelSpec {
                     .flag("TT1", true)
                     .flag("BP2", false)
                     .flag("HALF", half && gemv_half(fmt, 1, xvec, false, false))
+                    .flag("XRED", gemv_xred(rows))
                     .flag("CAT", true)
                     .flag("CAT3", n == 3);
                 weight_source(s, fmt, true, xvec)
@@ -402,7 +425,9 @@ impl KernelSpec {
                                 if !bp2 {
                                     if half {
                                         // the dual GEMV walks whole blocks
-                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 4, tt, gather, xvec, bp2, norm, dual: true, half: false });
+                                        for rows in [4, 8] {
+                                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows, tt, gather, xvec, bp2, norm, dual: true, half: false });
+                                        }
                                     }
                                     if !fmt.has_global() {
                                         for n in [2, 3] {
@@ -721,14 +746,16 @@ impl Kernels {
         self.matmul_with(fmt, k, 1, false, Some(norm))
     }
 
-    /// `gelu(rms_norm(x) @ Wg^T) * (rms_norm(x) @ Wu^T)` for one token (`Op::NormGeGlu`):
-    /// the dual GEMV, half the rows per workgroup of each weight.
-    pub fn norm_geglu(&self, fmt: GpuFormat, k: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
+    /// `gelu(rms_norm(x) @ Wg^T) * (rms_norm(x) @ Wu^T)` for one token (`Op::NormGeGlu`)
+    /// over weights of `n` rows: the dual GEMV, half the rows per workgroup of each weight, or
+    /// as many as a plain GEMV from [`GEMV_DUAL_WIDE_N`] rows on.
+    pub fn norm_geglu(&self, fmt: GpuFormat, k: usize, n: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
         let m = self.matmul_with(fmt, k, 1, false, Some(norm))?;
         let KernelSpec::Gemv { fmt, rows, tt, gather, xvec, norm, .. } = m.spec else {
             return Err(GpuError::Kernel { name: "norm_geglu".into(), msg: "not a GEMV".into() });
         };
-        let rows = env_u32("MARKBASE_GEMV_DUAL_ROWS").unwrap_or((rows / 2).max(1));
+        let wide = n >= GEMV_DUAL_WIDE_N && rows >= 8;
+        let rows = env_u32("MARKBASE_GEMV_DUAL_ROWS").unwrap_or(if wide { rows } else { (rows / 2).max(1) });
         // at most 128 invocations: Gemma 4 31B's gate/up (K = 5376) measured 5% faster than at 256
         let wg = env_u32("MARKBASE_GEMV_DUAL_WG").unwrap_or_else(|| gemv_wg_capped(self.gemv_wg(k, tt, false, false), 128));
         self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true, half: false })

@@ -335,7 +335,7 @@ impl GpuExecutor {
                             return Err(format!("node %{} {}: a fused GeGLU runs on one token, not {rows}", node.id, node.name));
                         }
                         let nw = norm_w()?;
-                        let k = self.kernels.norm_geglu(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
+                        let k = self.kernels.norm_geglu(w.format, w.k, w.rows, nw.map(|v| v.1)).map_err(kerr)?;
                         for ci in 0..w.chunks.len() {
                             let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
                             let p = uni(bytemuck::bytes_of(&k.params(&d)));
