@@ -13,8 +13,8 @@
 //
 // MERGE (with SPLIT): no combine dispatch. Each workgroup, its partials stored, fences them
 // (storageBarrier: a device-scope release and acquire in SPIR-V) and counts itself in its
-// head's counter; the one that brings it to nsplit merges the head's partials into fin (the
-// combine's arithmetic, nsplit <= WG) and zeroes the counter for the next dispatch.
+// head's counter; the one that brings it to nsplit merges the head's partials into fin
+// (split_merge.wgsl, as the combine does) and zeroes the counter for the next dispatch.
 //
 // QROPE: q is first RMS-normed and rotated (rope.wgsl's NORM path, its params at binding 6):
 // heads head0.. of a value with x_heads heads per row (a fused q/k/v projection), so q's
@@ -61,6 +61,15 @@ struct Params {
 @group(0) @binding(8) var<storage, read_write> fin: array<f32>;
 @group(0) @binding(9) var<storage, read_write> done: array<atomic<u32>>;
 var<workgroup> wlast: u32;
+
+// split_merge.wgsl's accessors: the partials are this dispatch's out, the results fin
+fn split_part(i: u32) -> f32 {
+    return out[i];
+}
+
+fn split_out(i: u32, v: f32) {
+    fin[i] = v;
+}
 //#endif
 
 var<workgroup> qs: array<vec4<f32>, QV4>;
@@ -335,22 +344,7 @@ fn main(
     }
     if workgroupUniformLoad(&wlast) == 1u {
         storageBarrier();
-        // split lid's weight e^(m - M) / sum_s l_s e^(m_s - M) (nsplit <= WG), then the sums
-        let b = hc * p.nsplit * (D + 2u);
-        let sb = b + min(lid, p.nsplit - 1u) * (D + 2u) + D;
-        let ms = select(NEG_BIG, out[sb], lid < p.nsplit);
-        let mx = wg_max(ms);
-        let ws = select(0.0, exp(ms - mx), lid < p.nsplit);
-        let ls = wg_sum(ws * out[sb + 1u]);
-        ps[lid] = ws / ls;
-        workgroupBarrier();
-        for (var d = lid; d < D; d += WG) {
-            var a = 0.0;
-            for (var s = 0u; s < p.nsplit; s++) {
-                a = fma(out[b + s * (D + 2u) + d], ps[s], a);
-            }
-            fin[hc * D + d] = a;
-        }
+        merge_splits(hc * p.nsplit * (D + 2u), hc * D, D, p.nsplit, lid);
         if lid == 0u {
             atomicStore(&done[hc], 0u);
         }

@@ -1,7 +1,8 @@
-// Merges the per-split partial results of attention.wgsl (SPLIT):
-// out[t, h, d] = sum_s o_s[d] e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+// Merges the per-split partial results of attention.wgsl (SPLIT) in a dispatch of its own (the
+// path without MERGE): one workgroup per (head, token), split_merge.wgsl's arithmetic.
 //
-// Prelude consts: WG. Bindings: 0 params (attention's), 1 partials, 2 out [T, nq, D].
+// Prelude consts: WG (>= the split count). Bindings: 0 params (attention's), 1 partials,
+// 2 out [T, nq, D].
 
 struct Params {
     T: u32,
@@ -21,30 +22,22 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> part: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
+var<workgroup> ps: array<f32, WG>;
+
+fn split_part(i: u32) -> f32 {
+    return part[i];
+}
+
+fn split_out(i: u32, v: f32) {
+    out[i] = v;
+}
 
 @compute @workgroup_size(WG)
 fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    let h = wid.x;
-    let t = wid.y;
-    let D = p.D;
-    let st = D + 2u;
-    let b = (t * p.nq + h) * p.nsplit * st;
-    var mx = NEG_BIG;
-    for (var s = 0u; s < p.nsplit; s++) {
-        mx = max(mx, part[b + s * st + D]);
-    }
-    var l = 0.0;
-    for (var s = 0u; s < p.nsplit; s++) {
-        l += part[b + s * st + D + 1u] * exp(part[b + s * st + D] - mx);
-    }
-    for (var d = lid; d < D; d += WG) {
-        var a = 0.0;
-        for (var s = 0u; s < p.nsplit; s++) {
-            a += part[b + s * st + d] * exp(part[b + s * st + D] - mx);
-        }
-        out[(t * p.nq + h) * D + d] = a / l;
-    }
+    init_ids(lid, 0u, 0u, 1u);
+    let hc = wid.y * p.nq + wid.x;
+    merge_splits(hc * p.nsplit * (p.D + 2u), hc * p.D, p.D, p.nsplit, lid);
 }

@@ -34,6 +34,7 @@ const ROPE: &str = include_str!("../../wgsl/rope.wgsl");
 const KV_WRITE: &str = include_str!("../../wgsl/kv_write.wgsl");
 const ATTENTION: &str = include_str!("../../wgsl/attention.wgsl");
 const ATTN_COMBINE: &str = include_str!("../../wgsl/attn_combine.wgsl");
+const SPLIT_MERGE: &str = include_str!("../../wgsl/split_merge.wgsl");
 const ELEMENTWISE: &str = include_str!("../../wgsl/elementwise.wgsl");
 const ROUTING: &str = include_str!("../../wgsl/routing.wgsl");
 const MOE_GROUP: &str = include_str!("../../wgsl/moe_group.wgsl");
@@ -367,7 +368,8 @@ impl KernelSpec {
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
             KernelSpec::Attention { dpt, split, qrope, merge } => {
                 let coop = sg && env_on("MARKBASE_ATTN_COOP");
-                Source::new(&[COMMON, ATTENTION])
+                let files: &[&'static str] = if split && merge { &[COMMON, SPLIT_MERGE, ATTENTION] } else { &[COMMON, ATTENTION] };
+                Source::new(files)
                     .c("WG", ATTN_WG)
                     .c("DPT", dpt)
                     .c("QV4", dpt * ATTN_WG / 4)
@@ -381,7 +383,7 @@ impl KernelSpec {
                     .flag("COOP", coop)
                     .flag("PREFETCH", coop && env_on("MARKBASE_ATTN_PREFETCH"))
             }
-            KernelSpec::AttnCombine => Source::new(&[COMMON, ATTN_COMBINE]).c("WG", 64),
+            KernelSpec::AttnCombine => Source::new(&[COMMON, SPLIT_MERGE, ATTN_COMBINE]).c("WG", ATTN_WG),
             KernelSpec::GeGlu => Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", 2).flag("GEGLU", true),
             KernelSpec::Binary { b } => {
                 Source::new(&[COMMON, ELEMENTWISE]).c("WG", ELEM_WG).c("BDT", dt_code(b)).flag("BINARY", true)
@@ -892,9 +894,12 @@ impl Kernels {
             return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
         }
         let dpt = div_ceil(d, ATTN_WG as usize) as u32;
+        // the merge (in the pass or by the combine) weighs a split per invocation
+        if nsplit > ATTN_WG as usize {
+            return Err(GpuError::Kernel { name: "attention".into(), msg: format!("{nsplit} splits (at most {ATTN_WG})") });
+        }
         let split = nsplit > 1;
-        // the merging workgroup weighs a split per invocation
-        let merge = split && merge && nsplit <= ATTN_WG as usize;
+        let merge = split && merge;
         let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge })?;
         let combine = if split && !merge { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
         Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
