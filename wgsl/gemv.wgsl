@@ -26,7 +26,7 @@
 // word), so that a subgroup's vec4 activation loads read whole 32-byte sectors; an invocation
 // owning a whole block (128 contiguous bytes of x) makes each such load touch 32 lines.
 //
-// XRED (SUBGROUP, one token, RS a power of two up to 16, subgroups of at least RS invocations,
+// XRED (SUBGROUP, one token, RS a power of two up to 16, subgroups of RS to WG invocations,
 // else a subgroupAdd per row): the RS sums are reduced across a subgroup in log2(RS) levels, each
 // lane handing half of its values to the lane across one bit of its index and keeping the sum of
 // the other half, then summing one value over the bits left: RS - 1 shuffles in all, plus
@@ -452,7 +452,8 @@ fn main(
 //#if SUBGROUP
             // the workgroup's sums per subgroup in red_g, then one invocation per sum adds them
 //#if XRED
-            let xred = sgs >= RS;
+            // (subgroups no larger than the workgroup: every lane a shuffle reads is active)
+            let xred = sgs >= RS && sgs <= WG;
             if xred {
                 // transposed reduction: each level halves the values a lane holds, keeping the
                 // half its lane bit selects and trading the other with the lane across that bit;
