@@ -62,12 +62,14 @@ pub const GEMV_DUAL_WIDE_N: usize = 14336;
 fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
     tt == 1 && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
 }
+
 /// Whether a one-token GEMV with `rs` sums per workgroup reduces them across each subgroup by
 /// the transposed reduction (gemv.wgsl, `XRED`): `rs` a power of two up to 16. Measured on the
 /// H200 against a `subgroupAdd` per row: the 12B's plain GEMV 25.0 -> 22.1 µs, decode +4.5%.
 fn gemv_xred(rs: u32) -> bool {
     rs.is_power_of_two() && rs <= 16
 }
+
 /// Largest head dim the attention kernel takes.
 pub const MAX_HEAD_DIM: usize = 512;
 /// Largest rotary pair count of the rope params table.
