@@ -19,8 +19,8 @@
 // workgroup. Bindings of the third weight: 16.. (renamed with a `_v` suffix).
 //
 // Prelude consts: WG, R, TT, RS (reduction slots per invocation: R * TT, twice that with
-// DUAL), RS2 .. RS16 (RS / 2 .. RS / 16), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32); weight consts
-// (weights.wgsl).
+// DUAL), RS2 .. RS16 (RS / 2 .. RS / 16), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16,
+// 1 f16, 2 f32); weight consts (weights.wgsl).
 // HALF (one token, affine 4-bit, XVEC, not DUAL): two invocations per block, each taking
 // alternate runs of four elements (vec4s 2i + h of the block, nibbles 4h..4h+3 of each weight
 // word), so that a subgroup's vec4 activation loads read whole 32-byte sectors; an invocation
@@ -33,7 +33,8 @@
 // log2(subgroup / RS), where a subgroupAdd per sum costs RS * log2(subgroup).
 //
 // Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1,
-// BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW, DUAL, CAT, CAT3, HALF.
+// BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW, DUAL, CAT, CAT3, HALF,
+// XRED.
 // Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 4 norm weight (HAS_NW), 8.. weights,
 // 12.. the second weight (DUAL; the same decoding, renamed with a `_u` suffix).
 

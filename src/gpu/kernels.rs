@@ -63,11 +63,18 @@ fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool
     tt == 1 && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
 }
 
-/// Whether a one-token GEMV with `rs` sums per workgroup reduces them across each subgroup by
-/// the transposed reduction (gemv.wgsl, `XRED`): `rs` a power of two up to 16. Measured on the
-/// H200 against a `subgroupAdd` per row: the 12B's plain GEMV 25.0 -> 22.1 µs, decode +4.5%.
-fn gemv_xred(rs: u32) -> bool {
-    rs.is_power_of_two() && rs <= 16
+/// A GEMV's reduction consts for `rs` sums per invocation and `wg` invocations: RS, RS2 ..
+/// RS16, RED_N, and `XRED` (the transposed subgroup reduction, gemv.wgsl) where `rs` is a power
+/// of two up to 16. Measured on the H200 against a `subgroupAdd` per row: the 12B's plain GEMV
+/// 25.0 -> 22.1 µs, decode +4.5%.
+fn gemv_reduction(s: Source, rs: u32, wg: u32) -> Source {
+    s.c("RS", rs)
+        .c("RS2", rs / 2)
+        .c("RS4", rs / 4)
+        .c("RS8", rs / 8)
+        .c("RS16", rs / 16)
+        .c("RED_N", rs * wg)
+        .flag("XRED", rs.is_power_of_two() && rs <= 16)
 }
 
 /// Largest head dim the attention kernel takes.
@@ -295,12 +302,7 @@ impl KernelSpec {
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => {
                 let files: &[&'static str] = if dual { &[COMMON, WEIGHTS, weights_second(), GEMV] } else { &[COMMON, WEIGHTS, GEMV] };
                 let rs = rows * tt * if dual { 2 } else { 1 };
-                let s = Source::new(files)
-                    .c("RS", rs)
-                    .c("RS2", rs / 2)
-                    .c("RS4", rs / 4)
-                    .c("RS8", rs / 8)
-                    .c("RS16", rs / 16)
+                let s = gemv_reduction(Source::new(files), rs, wg)
                     .flag("DUAL", dual)
                     .c("NDT", norm.flatten().map_or(2, dt_code))
                     .flag("PRENORM", norm.is_some())
@@ -308,25 +310,18 @@ impl KernelSpec {
                     .c("WG", wg)
                     .c("R", rows)
                     .c("TT", tt)
-                    .c("RED_N", rs * wg)
                     .flag("SUBGROUP", sg)
                     .flag("GATHER", gather)
                     .flag("XVEC", xvec)
                     .flag("TT1", tt == 1)
                     .flag("BP2", bp2 && tt == 1)
-                    .flag("HALF", half && gemv_half(fmt, tt, xvec, bp2, dual))
-                    .flag("XRED", gemv_xred(rs));
+                    .flag("HALF", half && gemv_half(fmt, tt, xvec, bp2, dual));
                 weight_source(s, fmt, true, xvec)
             }
             KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => {
                 let files: &[&'static str] =
                     if n == 3 { &[COMMON, WEIGHTS, weights_second(), weights_third(), GEMV] } else { &[COMMON, WEIGHTS, weights_second(), GEMV] };
-                let s = Source::new(files)
-                    .c("RS", rows)
-                    .c("RS2", rows / 2)
-                    .c("RS4", rows / 4)
-                    .c("RS8", rows / 8)
-                    .c("RS16", rows / 16)
+                let s = gemv_reduction(Source::new(files), rows, wg)
                     .flag("DUAL", false)
                     .c("NDT", norm.map_or(2, dt_code))
                     .flag("PRENORM", true)
@@ -334,14 +329,12 @@ impl KernelSpec {
                     .c("WG", wg)
                     .c("R", rows)
                     .c("TT", 1)
-                    .c("RED_N", rows * wg)
                     .flag("SUBGROUP", sg)
                     .flag("GATHER", false)
                     .flag("XVEC", xvec)
                     .flag("TT1", true)
                     .flag("BP2", false)
                     .flag("HALF", half && gemv_half(fmt, 1, xvec, false, false))
-                    .flag("XRED", gemv_xred(rows))
                     .flag("CAT", true)
                     .flag("CAT3", n == 3);
                 weight_source(s, fmt, true, xvec)
