@@ -822,6 +822,56 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
             );
         }
     }
+    if t == 1 {
+        attention_append_case(r, &pos, (nq, nkv, d, slots), window, nsplit, (&kc, &vc));
+    }
+}
+
+/// One token's attention appending its own key and value: heads 1.. of x are the queries, the
+/// nkv after them the key (normed with a bf16 weight of its own and rotated), the nkv after
+/// those the value; the caches hold other rows at the token's slot, which the pass must
+/// overwrite and must not read.
+fn attention_append_case(r: &mut StdRng, pos: &[u32], (nq, nkv, d, slots): (usize, usize, usize, usize), window: Option<usize>, nsplit: usize, (kc, vc): (&[f32], &[f32])) {
+    let e = env();
+    let gpu = &e.gpu;
+    let (xh, pairs, theta, scale) = (1 + nq + 2 * nkv, d / 4, 10_000f32, 0.5);
+    let (k0, v0) = (1 + nq, 1 + nq + nkv);
+    let x = randn(r, xh * d, 3.0);
+    let (qw, kw) = (float_tensor(FloatType::Bf16, &[d], &randn(r, d, 0.5)), float_tensor(FloatType::Bf16, &[d], &randn(r, d, 0.5)));
+    let roped = |w: &RawTensor, h0: usize, count: usize| {
+        let mut xn = vec![0f32; x.len()];
+        cpu::rms_norm(&x, Some(&w.to_f32()), d, 1e-6, NormScale::OnePlusW, &mut xn);
+        let sel = cpu::head_range(&xn, &[1, xh, d], Some(HeadRange { start: h0, count }));
+        let mut out = vec![0f32; sel.len()];
+        cpu::rope(&sel, pos, count, d, theta, 1.0, pairs, &mut out);
+        out
+    };
+    let (q, k) = (roped(&qw, 1, nq), roped(&kw, k0, nkv));
+    let v = cpu::head_range(&x, &[1, xh, d], Some(HeadRange { start: v0, count: nkv }));
+    let (mut want_k, mut want_v) = (kc.to_vec(), vc.to_vec());
+    cpu::kv_write(&k, pos, nkv * d, &mut want_k);
+    cpu::kv_write(&v, pos, nkv * d, &mut want_v);
+    let mut want = vec![0f32; nq * d];
+    cpu::attention(&q, pos, &want_k, &want_v, nq, nkv, d, scale, window, &mut want);
+    let (xb, pb, qwb, kwb) = (gpu.upload_f32("x", &x), gpu.upload_u32("pos", pos), gpu.upload("qw", &qw.bytes), gpu.upload("kw", &kw.bytes));
+    let rp = RopeParams::new(1, nq, d, theta, 1.0, pairs).with_norm(Some((NormScale::OnePlusW, 1e-6))).with_heads(xh, 1);
+    let rpb = gpu.uniform("rope", &rp);
+    let merges: &[bool] = if nsplit > 1 { &[false, true] } else { &[false] };
+    for (label, ks) in &e.variants {
+        for &merge in merges {
+            let k = ks.attention_full(d, nsplit, Some(Some(FloatType::Bf16)), merge, true).unwrap();
+            let p = gpu.uniform("p", &k.params(1, nq, nkv, d, slots, scale, window).with_append(k0, v0));
+            let (kb, vb) = (gpu.upload_f32("k", kc), gpu.upload_f32("v", vc));
+            let out = gpu.storage("out", (want.len() * 4) as u64);
+            let sc = k.scratch(gpu, "attention", 1, nq, d);
+            let bg = k.bind_groups(&gpu.device, &p, &xb, &pb, &kb, &vb, &out, sc.as_ref(), &[(6, &rpb), (7, &qwb), (10, &kwb)]);
+            run(gpu, |pass| k.dispatch(pass, &bg, 1, nq));
+            let case = format!("[{label}] nq={nq} nkv={nkv} D={d} S={slots} window={window:?} pos={} split={nsplit} merge={merge}", pos[0]);
+            check(&format!("appending attention {case}"), &gpu.read_f32(&out, want.len()).unwrap(), &want);
+            check(&format!("appended keys {case}"), &gpu.read_f32(&kb, want_k.len()).unwrap(), &want_k);
+            check(&format!("appended values {case}"), &gpu.read_f32(&vb, want_v.len()).unwrap(), &want_v);
+        }
+    }
 }
 
 #[test]

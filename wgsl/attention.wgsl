@@ -28,13 +28,19 @@
 // before q's loads, norm and RoPE, and kept in registers (zeros past the split's keys and D4,
 // as are qr's unused vec4s: their products vanish).
 //
+// APPEND (with QROPE, one token): the step's own key and value are heads k_head0.. and
+// v_head0.. of q's row. The workgroups whose split holds the step's position pp norm (weight at
+// binding 10) and rotate the key as q is and use it and the value row from there; the first
+// query head of each kv head writes both at slot pp % S. No workgroup reads that slot from the
+// caches, which are bound read_write; the older slots they read are not written.
+//
 // Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded
 // for the q tile), QPL
 // (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
-// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, MERGE, QROPE, HAS_NW.
+// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, MERGE, QROPE, HAS_NW, APPEND.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
 // 6 rope params (QROPE), 7 norm weight (QROPE with a weight), 8 fin [T, nq, D] and 9 a
-// counter per (t, head) (MERGE).
+// counter per (t, head) (MERGE), 10 the key's norm weight (APPEND with HAS_NW).
 
 struct Params {
     T: u32,
@@ -46,16 +52,21 @@ struct Params {
     nsplit: u32,
     _p0: u32,
     scale: f32,
-    _p1: u32,
-    _p2: u32,
+    k_head0: u32,  // APPEND
+    v_head0: u32,  // APPEND
     _p3: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
+//#if APPEND
+@group(0) @binding(3) var<storage, read_write> kc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> vc: array<vec4<f32>>;
+//#else
 @group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
+//#endif
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
 //#if MERGE
 @group(0) @binding(8) var<storage, read_write> fin: array<f32>;
@@ -101,6 +112,35 @@ var<workgroup> qn: array<f32, QV4 * 4u>;
 fn q_norm_scale(i: u32) -> f32 {
 //#if HAS_NW
     return nw_scale(nw[nw_word(i, NDT)], i, NDT, rp.norm_mode);
+//#else
+    return 1.0;
+//#endif
+}
+
+// (sin, cos) of pair i's angle at position ps; (0, 1) past the rotated pairs.
+fn pair_sincos(i: u32, ps: u32) -> vec2<f32> {
+    if i < rp.pairs {
+        return sincos_turn(rope_turn(rp.tab[i >> 1u], i, ps));
+    }
+    return vec2<f32>(0.0, 1.0);
+}
+
+// Pair (a0, a1) rotated by the angle of sc = (sin, cos).
+fn rotate_pair(a0: f32, a1: f32, sc: vec2<f32>) -> vec2<f32> {
+    return vec2<f32>(a0 * sc.y - a1 * sc.x, a1 * sc.y + a0 * sc.x);
+}
+//#endif
+//#if APPEND && HAS_NW
+@group(0) @binding(10) var<storage, read> kw: array<u32>;
+//#endif
+//#if APPEND
+// the step's key (kcur, kn as qs, qn)
+var<workgroup> kcur: array<vec4<f32>, QV4>;
+var<workgroup> kn: array<f32, QV4 * 4u>;
+
+fn k_norm_scale(i: u32) -> f32 {
+//#if HAS_NW
+    return nw_scale(kw[nw_word(i, NDT)], i, NDT, rp.norm_mode);
 //#else
     return 1.0;
 //#endif
@@ -152,6 +192,11 @@ fn main(
     let chunk = (n + p.nsplit - 1u) / p.nsplit;
     let js = min(lo + sp * chunk, pp + 1u);
     let je = min(js + chunk, pp + 1u);
+//#if APPEND
+    // this split holds the step's key (uniform: pp from a uniform load)
+    let has_cur = js <= pp && pp < je;
+    let vb = (t * rp.x_heads + p.v_head0 + kh) * D4;
+//#endif
 //#if COOP
     // eight invocations per key
     let kg = lid >> 3u;
@@ -168,18 +213,40 @@ fn main(
     let kbb = ((jb % p.S) * p.nkv + kh) * D4;
     for (var i = 0u; i < QPL; i++) {
         let e = c8 + 8u * i;
+//#if APPEND
+        // (not the step's slot, which this pass writes)
+        if e < D4 && ja < je && ja != pp {
+            kp0[i] = kc[kba + e];
+        }
+        if e < D4 && jb < je && jb != pp {
+            kp1[i] = kc[kbb + e];
+        }
+//#else
         if e < D4 && ja < je {
             kp0[i] = kc[kba + e];
         }
         if e < D4 && jb < je {
             kp1[i] = kc[kbb + e];
         }
+//#endif
     }
 //#endif
 
 //#if QROPE
     // rope(rms_norm(q row)) * scale
     let qb = (t * rp.x_heads + rp.head0 + h) * D4;
+//#if APPEND
+    // the step's key row, its loads issued with q's
+    var ks = 0.0;
+    if has_cur {
+        let kb = (t * rp.x_heads + p.k_head0 + kh) * D4;
+        for (var i = lid; i < D4; i += WG) {
+            let v = q[kb + i];
+            kcur[i] = v;
+            ks += dot(v, v);
+        }
+    }
+//#endif
     var ss = 0.0;
     for (var i = lid; i < D4; i += WG) {
         let v = q[qb + i];
@@ -187,25 +254,46 @@ fn main(
         ss += dot(v, v);
     }
     let r = 1.0 / sqrt(wg_sum(ss) / f32(D) + rp.norm_eps);
+//#if APPEND
+    // the key normed and rotated along with q, into kcur
+    var rk = 0.0;
+    if has_cur {
+        rk = 1.0 / sqrt(wg_sum(ks) / f32(D) + rp.norm_eps);
+    }
+//#endif
     for (var i = lid; i < D; i += WG) {
         qn[i] = qs[i >> 2u][i & 3u] * r * q_norm_scale(i);
+//#if APPEND
+        if has_cur {
+            kn[i] = kcur[i >> 2u][i & 3u] * rk * k_norm_scale(i);
+        }
+//#endif
     }
     workgroupBarrier();
     let half = D / 2u;
     for (var i = lid; i < half; i += WG) {
-        let a0 = qn[i];
-        let a1 = qn[i + half];
-        var b0 = a0;
-        var b1 = a1;
-        if i < rp.pairs {
-            let sc = sincos_turn(rope_turn(rp.tab[i >> 1u], i, pp));
-            b0 = a0 * sc.y - a1 * sc.x;
-            b1 = a1 * sc.y + a0 * sc.x;
+        let sc = pair_sincos(i, pp);
+        let b = rotate_pair(qn[i], qn[i + half], sc) * p.scale;
+        qs[i >> 2u][i & 3u] = b.x;
+        qs[(i + half) >> 2u][(i + half) & 3u] = b.y;
+//#if APPEND
+        if has_cur {
+            let c = rotate_pair(kn[i], kn[i + half], sc);
+            kcur[i >> 2u][i & 3u] = c.x;
+            kcur[(i + half) >> 2u][(i + half) & 3u] = c.y;
         }
-        qs[i >> 2u][i & 3u] = b0 * p.scale;
-        qs[(i + half) >> 2u][(i + half) & 3u] = b1 * p.scale;
+//#endif
     }
     workgroupBarrier();
+//#if APPEND
+    if has_cur && h % (p.nq / p.nkv) == 0u {
+        let cb = ((pp % p.S) * p.nkv + kh) * D4;
+        for (var i = lid; i < D4; i += WG) {
+            kc[cb + i] = kcur[i];
+            vc[cb + i] = q[vb + i];
+        }
+    }
+//#endif
 //#else
     let qb = (t * p.nq + h) * D4;
     for (var i = lid; i < D4; i += WG) {
@@ -242,6 +330,17 @@ fn main(
         for (var k0 = 0u; k0 < cnt; k0 += WG / 8u) {
             let jk = j0 + k0 + kg;
             var a = vec4<f32>(0.0);
+//#if APPEND
+            if jk == pp && jk < je {
+                // the step's key, from this pass
+                for (var i = 0u; i < QPL; i++) {
+                    let e = c8 + 8u * i;
+                    if e < D4 {
+                        a = fma(qr[i], kcur[e], a);
+                    }
+                }
+            } else
+//#endif
 //#if PREFETCH
             if j0 == js && k0 == 0u {
                 for (var i = 0u; i < QPL; i++) {
@@ -283,9 +382,21 @@ fn main(
             slots[lid] = slot;
             let kb = (slot * p.nkv + kh) * D4;
             var a = vec4<f32>(0.0);
+//#if APPEND
+            if j == pp {
+                for (var i = 0u; i < D4; i++) {
+                    a = fma(qs[i], kcur[i], a);
+                }
+            } else {
+                for (var i = 0u; i < D4; i++) {
+                    a = fma(qs[i], kc[kb + i], a);
+                }
+            }
+//#else
             for (var i = 0u; i < D4; i++) {
                 a = fma(qs[i], kc[kb + i], a);
             }
+//#endif
             s = a.x + a.y + a.z + a.w;
         }
 //#endif
@@ -297,10 +408,20 @@ fn main(
         l = l * alpha + lt;
         m = mn;
         o4 *= alpha;
+//#if APPEND
+        // the step's key is the last of the split's last tile: its value from q's row
+        let cur = has_cur && j0 + cnt == je;
+        let vcnt = select(cnt, cnt - 1u, cur);
+        if cur && vl == 0u {
+            o4 = fma(vec4<f32>(ps[cnt - 1u]), q[vb + dv], o4);
+        }
+//#else
+        let vcnt = cnt;
+//#endif
         if vl < nvl {
             // lane vl takes keys vl, vl + nvl, ..: four per step, their loads issued together
             var kk = vl;
-            for (; kk + 3u * nvl < cnt; kk += 4u * nvl) {
+            for (; kk + 3u * nvl < vcnt; kk += 4u * nvl) {
                 let k1 = kk + nvl;
                 let k2 = k1 + nvl;
                 let k3 = k2 + nvl;
@@ -313,7 +434,7 @@ fn main(
                 o4 = fma(vec4<f32>(ps[k2]), v2, o4);
                 o4 = fma(vec4<f32>(ps[k3]), v3, o4);
             }
-            for (; kk < cnt; kk += nvl) {
+            for (; kk < vcnt; kk += nvl) {
                 o4 = fma(vec4<f32>(ps[kk]), vc[(slots[kk] * p.nkv + kh) * D4 + dv], o4);
             }
         }

@@ -5,7 +5,7 @@ use petgraph::graph::NodeIndex;
 
 use crate::config::{Family, LayerType, ModelConfig};
 use crate::ir::{BuildError, Graph, GraphKind, InputKind, StateKind, WeightParam};
-use crate::ops::{BinaryOp, HeadRange, NormScale, Op, TensorType, UnaryOp};
+use crate::ops::{BinaryOp, HeadRange, KvAppend, NormScale, Op, TensorType, UnaryOp};
 use crate::quant::{FloatType, WeightFormat};
 
 /// Decides how each weight is stored. The default follows `config.json`; the
@@ -137,6 +137,14 @@ struct B<'a> {
 enum Query {
     Node(NodeIndex),
     Fused { x: NodeIndex, heads: Option<HeadRange>, w: NodeIndex, norm: NormScale, rope: Op },
+}
+
+/// What a layer's attention reads its keys and values from: the caches after their write
+/// ops, or the caches themselves, the attention appending the step's rows (`KvAppend`) with
+/// the key's norm weight.
+enum Kv {
+    Written(NodeIndex, NodeIndex),
+    Append { k: NodeIndex, v: NodeIndex, wk: NodeIndex, heads: KvAppend },
 }
 
 /// A pre-norm as the matmuls reading it see it: a value, or fused into each of them.
@@ -316,19 +324,25 @@ impl<'a> B<'a> {
 
     /// Attention of layer `i` over its (or its KV source's) caches, the output
     /// projection and its norm, added to the residual `x`.
-    fn attention_block(&mut self, i: usize, x: NodeIndex, q: Query, kv: (NodeIndex, NodeIndex), conv: NormScale) -> Result<NodeIndex, BuildError> {
+    fn attention_block(&mut self, i: usize, x: NodeIndex, q: Query, kv: Kv, conv: NormScale) -> Result<NodeIndex, BuildError> {
         let (l, cfg) = (Some(i), self.cfg);
         let window = if cfg.layer_types[i] == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
         let scale = cfg.attn_scale as f32;
-        let a = match q {
-            Query::Node(q) => self.op("attention", l, Op::Attention { scale, window }, &[q, self.pos, kv.0, kv.1])?,
-            Query::Fused { x, heads, w, norm, rope } => {
+        let a = match (q, kv) {
+            (Query::Node(q), Kv::Written(kc, vc)) => self.op("attention", l, Op::Attention { scale, window }, &[q, self.pos, kc, vc])?,
+            (Query::Fused { x, heads, w, norm, rope }, kv) => {
                 let Op::Rope { theta, factor, rotary_pairs } = rope else {
                     return Err(BuildError::Config(format!("layer {i}: not a rope op: {rope:?}")));
                 };
-                let op = Op::NormRopeAttention { scale, window, eps: self.eps, norm, theta, factor, rotary_pairs, heads };
-                self.op("q_norm_rope_attention", l, op, &[x, self.pos, kv.0, kv.1, w])?
+                let (append, ins) = match kv {
+                    Kv::Written(kc, vc) => (None, vec![x, self.pos, kc, vc, w]),
+                    Kv::Append { k, v, wk, heads } => (Some(heads), vec![x, self.pos, k, v, w, wk]),
+                };
+                let op = Op::NormRopeAttention { scale, window, eps: self.eps, norm, theta, factor, rotary_pairs, heads, append };
+                let name = if append.is_some() { "kv_append_attention" } else { "q_norm_rope_attention" };
+                self.op(name, l, op, &ins)?
             }
+            (Query::Node(_), Kv::Append { .. }) => return Err(BuildError::Config(format!("layer {i}: appending attention without its query"))),
         };
         let qs = self.g.node(a).ty.shape.clone();
         let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;
@@ -409,14 +423,57 @@ fn build_gemma3(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
         let rope = cfg.layer_rope(i).clone();
         let rop = Op::Rope { theta: rope.theta as f32, factor: rope.factor as f32, rotary_pairs: d / 2 };
         let q = b.query(i, q, &p("self_attn.q_norm.weight"), conv, &rop)?;
-        let (kc, vc) = kv_write(&mut b, i, k, &p("self_attn.k_norm.weight"), conv, &rop, v, false, cache_slots(cfg, lt, o))?;
-        x = b.attention_block(i, x, q, (kc, vc), conv)?;
+        let k_norm = p("self_attn.k_norm.weight");
+        let kv = match kv_append(&mut b, i, &q, k, v, &k_norm, cache_slots(cfg, lt, o)) {
+            Some(kv) => kv,
+            None => {
+                let (kc, vc) = kv_write(&mut b, i, k, &k_norm, conv, &rop, v, false, cache_slots(cfg, lt, o))?;
+                Kv::Written(kc, vc)
+            }
+        };
+        x = b.attention_block(i, x, q, kv, conv)?;
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;
         let inter = cfg.layer_intermediate(i);
         let dn = b.mlp(i, m, inter)?;
         x = b.norm_add("ff_residual", l, dn, x, &p("post_feedforward_layernorm.weight"), conv)?;
     }
     head(b, x, emb, conv, o)
+}
+
+/// The K and V caches of layer `i`: `[slots, nkv, d]` each.
+fn kv_states(b: &mut B, i: usize, nkv: usize, d: usize, slots: usize) -> (NodeIndex, NodeIndex) {
+    let l = Some(i);
+    let cache_ty = TensorType::f32(&[slots, nkv, d]);
+    let ks = b.g.state(&format!("l{i}.k_cache"), l, StateKind::KvCache { layer: i, value: false }, cache_ty.clone());
+    let vs = b.g.state(&format!("l{i}.v_cache"), l, StateKind::KvCache { layer: i, value: true }, cache_ty);
+    (ks, vs)
+}
+
+/// Layer `i`'s caches for an attention that appends the step's key and value itself: one-token
+/// graphs whose query, key and value are heads of one fused projection and whose query and key
+/// norms have weights stored alike (`None` otherwise: the caches are written by ops in front).
+fn kv_append(
+    b: &mut B,
+    i: usize,
+    q: &Query,
+    (k, k_heads): (NodeIndex, Option<HeadRange>),
+    (v, v_heads): (NodeIndex, Option<HeadRange>),
+    k_norm: &str,
+    slots: usize,
+) -> Option<Kv> {
+    let Query::Fused { x, w, norm, .. } = q else { return None };
+    let (Some(kh), Some(vh)) = (k_heads, v_heads) else { return None };
+    if b.g.tokens != 1 || *x != k || *x != v || *norm == NormScale::None || kh.count != vh.count {
+        return None;
+    }
+    let d = b.g.node(k).ty.last();
+    let wk = b.w(k_norm, Some(i), &[d], false);
+    let fmt = |b: &B, n: NodeIndex| b.g.node(n).weight().map(|p| p.format);
+    if fmt(b, wk) != fmt(b, *w) {
+        return None;
+    }
+    let (ks, vs) = kv_states(b, i, kh.count, d, slots);
+    Some(Kv::Append { k: ks, v: vs, wk, heads: KvAppend { k: kh, v: vh } })
 }
 
 /// The attention inputs of layer `i` written into its caches: K after its norm (weight `k_norm`)
@@ -438,9 +495,7 @@ fn kv_write(
     let l = Some(i);
     let vt = b.g.node(v).ty.shape.clone();
     let (nkv, d) = (v_heads.map_or(vt[1], |r| r.count), vt[2]);
-    let cache_ty = TensorType::f32(&[slots, nkv, d]);
-    let ks = b.g.state(&format!("l{i}.k_cache"), l, StateKind::KvCache { layer: i, value: false }, cache_ty.clone());
-    let vs = b.g.state(&format!("l{i}.v_cache"), l, StateKind::KvCache { layer: i, value: true }, cache_ty);
+    let (ks, vs) = kv_states(b, i, nkv, d, slots);
     let kc = if b.fuse_prenorm {
         let Op::Rope { theta, factor, rotary_pairs } = *rope else {
             return Err(BuildError::Config(format!("layer {i}: not a rope op: {rope:?}")));
@@ -587,7 +642,7 @@ fn build_gemma4(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -
             let src = cfg.kv_source(i);
             caches[src].ok_or_else(|| BuildError::Config(format!("layer {i}: KV source layer {src} has no cache")))?
         };
-        x = b.attention_block(i, x, q, (kc, vc), conv)?;
+        x = b.attention_block(i, x, q, Kv::Written(kc, vc), conv)?;
 
         let inter = cfg.layer_intermediate(i);
         let m = b.prenorm("pre_ff_norm", l, x, Some(&p("pre_feedforward_layernorm.weight")), conv)?;

@@ -153,10 +153,12 @@ pub enum Op {
     /// query `t` attends to absolute positions `j <= pos[t]` (and `j > pos[t] - window`),
     /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`.
     Attention { scale: f32, window: Option<usize> },
-    /// `[x: f32[T, H, D], pos: u32[T], k: state, v: state, w?: f32-weight[D]] -> f32[T, nq, D]`:
-    /// [`Op::Attention`] of the queries `rope(rms_norm(x))` ([`Op::NormRope`] with the
-    /// norm convention `norm`; heads `heads` of x when given), the query's norm and RoPE
-    /// done by the attention pass itself.
+    /// `[x: f32[T, H, D], pos: u32[T], k: state, v: state, w?: f32-weight[D], wk?: f32-weight[D]]
+    /// -> f32[T, nq, D]`: [`Op::Attention`] of the queries `rope(rms_norm(x))` ([`Op::NormRope`]
+    /// with the norm convention `norm`; heads `heads` of x when given), the query's norm and
+    /// RoPE done by the attention pass itself. With `append` (one token): the step's own key
+    /// and value are heads of x too, the key normed (weight `wk`) and rotated as the query is;
+    /// the pass writes both to the caches k and v (states it alone uses) and attends to them.
     NormRopeAttention {
         scale: f32,
         window: Option<usize>,
@@ -166,6 +168,7 @@ pub enum Op {
         factor: f32,
         rotary_pairs: usize,
         heads: Option<HeadRange>,
+        append: Option<KvAppend>,
     },
     /// `[a, b] -> a`.
     Binary { f: BinaryOp },
@@ -216,6 +219,14 @@ impl HeadRange {
     fn attr(range: Option<HeadRange>) -> String {
         range.map_or(String::new(), |r| format!(" heads={}..{}", r.start, r.start + r.count))
     }
+}
+
+/// The key and value heads of a one-token [`Op::NormRopeAttention`] that appends them to its
+/// caches (no cache-write op in front: the attention pass writes the step's row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct KvAppend {
+    pub k: HeadRange,
+    pub v: HeadRange,
 }
 
 /// Number of u32 words of the sampling parameters.
@@ -310,10 +321,17 @@ impl Op {
                 Some(w) => format!("scale={scale} window={w}"),
                 None => format!("scale={scale} causal"),
             },
-            Op::NormRopeAttention { scale, window, eps, norm, theta, factor, rotary_pairs, heads } => format!(
-                "scale={scale} {} eps={eps:e} norm={norm:?} theta={theta} factor={factor} pairs={rotary_pairs}{}",
+            Op::NormRopeAttention { scale, window, eps, norm, theta, factor, rotary_pairs, heads, append } => format!(
+                "scale={scale} {} eps={eps:e} norm={norm:?} theta={theta} factor={factor} pairs={rotary_pairs}{}{}",
                 window.map_or("causal".to_string(), |w| format!("window={w}")),
-                HeadRange::attr(*heads)
+                HeadRange::attr(*heads),
+                append.map_or(String::new(), |a| format!(
+                    " append k={}..{} v={}..{}",
+                    a.k.start,
+                    a.k.start + a.k.count,
+                    a.v.start,
+                    a.v.start + a.v.count
+                ))
             ),
             Op::Unary { f: UnaryOp::Scale { factor } } => format!("factor={factor}"),
             Op::Unary { f: UnaryOp::Softcap { cap } } => format!("cap={cap}"),
@@ -513,14 +531,24 @@ impl Op {
             }
             Op::Attention { .. } | Op::NormRopeAttention { .. } => {
                 let q = match self {
-                    Op::NormRopeAttention { norm, rotary_pairs, heads, .. } => {
-                        need(if *norm == NormScale::None { 4 } else { 5 })?;
+                    Op::NormRopeAttention { norm, rotary_pairs, heads, append, .. } => {
+                        let nw = if *norm == NormScale::None { 0 } else { 1 + append.is_some() as usize };
+                        need(4 + nw)?;
                         let q = HeadRange::apply(*heads, f32_in(0)?).map_err(err)?;
                         if q.shape.len() != 3 || q.shape[2] % 2 != 0 || *rotary_pairs > q.shape[2] / 2 {
                             return Err(err(format!("q {} pairs {rotary_pairs}", q.describe())));
                         }
-                        if *norm != NormScale::None && inputs[4].shape != [q.shape[2]] {
-                            return Err(err(format!("weight {} for q {}", inputs[4].describe(), q.describe())));
+                        if let Some(i) = (4..4 + nw).find(|&i| inputs[i].shape != [q.shape[2]]) {
+                            return Err(err(format!("weight {} for q {}", inputs[i].describe(), q.describe())));
+                        }
+                        if let Some(a) = append {
+                            // the step's own rows: one token, heads of x shaped as the caches' rows
+                            let k = HeadRange::apply(Some(a.k), f32_in(0)?).map_err(err)?;
+                            let v = HeadRange::apply(Some(a.v), f32_in(0)?).map_err(err)?;
+                            let c = f32_in(2)?;
+                            if q.shape[0] != 1 || c.shape.len() != 3 || k.shape[1..] != c.shape[1..] || v.shape != k.shape {
+                                return Err(err(format!("append: q {} k {} v {} cache {}", q.describe(), k.describe(), v.describe(), c.describe())));
+                            }
                         }
                         q
                     }

@@ -8,7 +8,7 @@ use petgraph::graph::NodeIndex;
 use serde::Serialize;
 
 use crate::ir::{Graph, NodeKind};
-use crate::ops::TensorType;
+use crate::ops::{Op, TensorType};
 
 /// Where a value lives at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
@@ -308,6 +308,20 @@ pub fn check(c: &Compiled) -> Result<(), CheckError> {
             }
             (None, s) => return Err(CheckError(format!("op node {} has non-pool storage {s:?}", name(n)))),
             _ => {}
+        }
+    }
+    // Appended caches: the attention writing the step's rows into them is their only user
+    // (nothing else binds them in its pass, nothing reads them before it).
+    for n in g.op_nodes() {
+        if let Some(Op::NormRopeAttention { append: Some(_), .. }) = g.node(n).op() {
+            for &c in &g.inputs(n)[2..4] {
+                if !matches!(g.node(c).kind, NodeKind::State { .. }) {
+                    return Err(CheckError(format!("node {} appends to {}, not a state", name(n), name(c))));
+                }
+                if let Some(u) = g.users(c).into_iter().find(|&u| u != n) {
+                    return Err(CheckError(format!("node {} appends to {}, which {} also uses", name(n), name(c), name(u))));
+                }
+            }
         }
     }
     // Isolation: no op's output buffer is one of its input buffers.

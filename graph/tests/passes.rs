@@ -214,6 +214,19 @@ fn checker_catches_corruption() {
     assert!(check(&bad).is_err());
 }
 
+#[test]
+fn checker_catches_a_second_user_of_an_appended_cache() {
+    let cfg = load("gemma3-270m");
+    let mut g = build_from_config(&cfg, &BuildOptions::decode(256, 32)).unwrap();
+    let att = g.op_nodes().find(|&n| matches!(g.node(n).op(), Some(Op::NormRopeAttention { append: Some(_), .. }))).unwrap();
+    let Some(Op::NormRopeAttention { append: Some(a), .. }) = g.node(att).op().cloned() else { unreachable!() };
+    let (ins, layer) = (g.inputs(att), g.node(att).layer);
+    // the value row written again by an op of its own: the cache has a second user
+    g.op("v_write_again", layer, Op::KvWrite { heads: Some(a.v) }, &[ins[0], ins[1], ins[3]]).unwrap();
+    let e = compile(g, PhasePolicy::Step).unwrap_err();
+    assert!(e.0.contains("appends to") && e.0.contains("also uses"), "{e}");
+}
+
 fn configs_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs")
 }
@@ -244,6 +257,13 @@ fn gemma3_graphs_pass_checks() {
                 let logits = c.graph.node(c.graph.output("logits").unwrap()).ty.bytes();
                 let (after, before) = (c.alloc.bytes_after - logits, c.alloc.bytes_before - logits);
                 assert!(after * 2 < before, "{name}: sharing saves little ({after} of {before} bytes besides the logits, {policy:?})");
+                // One-token graphs: each layer's attention appends its own key and value (no
+                // cache-write op); prefill graphs write the caches in front of the attention.
+                let count = |f: &dyn Fn(&Op) -> bool| c.graph.op_nodes().filter(|&n| f(c.graph.node(n).op().unwrap())).count();
+                let appends = count(&|op| matches!(op, Op::NormRopeAttention { append: Some(_), .. }));
+                let writes = count(&|op| op.writes_state());
+                let one = opts.tokens == 1;
+                assert_eq!((appends, writes), if one { (layers, 0) } else { (0, 2 * layers) }, "{name} tokens {}", opts.tokens);
                 // Every weight of a Gemma 3 layer is present.
                 let names: Vec<&str> = c.graph.weights().map(|(_, w)| w.name.as_str()).collect();
                 let prefix = cfg.default_prefix();

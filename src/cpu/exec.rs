@@ -281,8 +281,6 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                             _ => get(&vals, ins[0]).clone(),
                         };
                         let p = get(&vals, ins[1]);
-                        let k = &state.caches[&state_key(g, ins[2])];
-                        let v = &state.caches[&state_key(g, ins[3])];
                         let (nq, d) = (node.ty.shape[1], node.ty.shape[2]);
                         let nkv = g.node(ins[2]).ty.shape[1];
                         let slots = g.node(ins[2]).ty.shape[0];
@@ -291,6 +289,21 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                                 return Err(format!("position {pp} (token {t}) exceeds the KV cache of {slots} slots"));
                             }
                         }
+                        if let Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, append: Some(a), .. } = op {
+                            // the step's key (normed with its own weight, rotated) and value into the caches
+                            let (x, xs) = (get(&vals, ins[0]), &g.node(ins[0]).ty.shape);
+                            let wk = weight_or_value(g, w, &vals, ins[5])?;
+                            let kx = ops::head_range(x.f(), xs, Some(a.k));
+                            let mut kn = vec![0f32; kx.len()];
+                            ops::rms_norm(&kx, Some(&wk), d, *eps, *norm, &mut kn);
+                            let mut kr = vec![0f32; kn.len()];
+                            ops::rope(&kn, p.u(), nkv, d, *theta, *factor, *rotary_pairs, &mut kr);
+                            ops::kv_write(&kr, p.u(), nkv * d, state.caches.get_mut(&state_key(g, ins[2])).ok_or("state missing")?);
+                            let vx = ops::head_range(x.f(), xs, Some(a.v));
+                            ops::kv_write(&vx, p.u(), nkv * d, state.caches.get_mut(&state_key(g, ins[3])).ok_or("state missing")?);
+                        }
+                        let k = &state.caches[&state_key(g, ins[2])];
+                        let v = &state.caches[&state_key(g, ins[3])];
                         ops::attention(q.f(), p.u(), k, v, nq, nkv, d, *scale, *window, &mut out);
                         Val::F(Rc::new(out))
                     }

@@ -185,7 +185,7 @@ pub enum KernelSpec {
     /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs; `qrope`:
     /// q's RMSNorm (weight dtype) and RoPE in front (`Op::NormRopeAttention`); `merge` (with
     /// `split`): the last workgroup of each query head to finish merges the partials itself.
-    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>>, merge: bool },
+    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>>, merge: bool, append: bool },
     AttnCombine,
     GeGlu,
     Binary { b: FloatType },
@@ -275,11 +275,12 @@ impl KernelSpec {
             KernelSpec::Rope { norm: None, .. } => "rope".into(),
             KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
             KernelSpec::KvWrite => "kv_write".into(),
-            KernelSpec::Attention { dpt, split, qrope, merge } => format!(
-                "attention[dpt{dpt}{}{}{}]",
+            KernelSpec::Attention { dpt, split, qrope, merge, append } => format!(
+                "attention[dpt{dpt}{}{}{}{}]",
                 if *split { " split" } else { "" },
                 if *split && *merge { " merge" } else { "" },
-                qrope.map_or(String::new(), |w| format!(" norm_rope[{}]", w.map_or("none", |t| t.name())))
+                qrope.map_or(String::new(), |w| format!(" norm_rope[{}]", w.map_or("none", |t| t.name()))),
+                if *append { " append" } else { "" }
             ),
             KernelSpec::AttnCombine => "attn_combine".into(),
             KernelSpec::GeGlu => "geglu".into(),
@@ -361,7 +362,7 @@ impl KernelSpec {
                 .flag("CACHE", cache && norm.is_some())
                 .flag("HAS_NW", norm.flatten().is_some()),
             KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
-            KernelSpec::Attention { dpt, split, qrope, merge } => {
+            KernelSpec::Attention { dpt, split, qrope, merge, append } => {
                 let coop = sg && env_on("MARKBASE_ATTN_COOP");
                 let files: &[&'static str] = if split && merge { &[COMMON, SPLIT_MERGE, ATTENTION] } else { &[COMMON, ATTENTION] };
                 Source::new(files)
@@ -373,6 +374,7 @@ impl KernelSpec {
                     .flag("SPLIT", split)
                     .flag("MERGE", split && merge)
                     .flag("QROPE", qrope.is_some())
+                    .flag("APPEND", append && qrope.is_some())
                     .flag("HAS_NW", qrope.flatten().is_some())
                     .flag("SUBGROUP", sg)
                     .flag("COOP", coop)
@@ -454,8 +456,9 @@ impl KernelSpec {
         }
         for dpt in [1, 2, 4] {
             for split in [false, true] {
-                v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false });
-                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split });
+                v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false, append: false });
+                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: false });
+                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: true });
             }
         }
         v.extend([
@@ -885,6 +888,23 @@ impl Kernels {
     /// [`Kernels::attention_with`], `merge`: split partials merged by the last workgroup of
     /// each head (see [`KernelOptions::merge_splits`]) rather than by a combine dispatch.
     pub fn attention_merge(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, merge: bool) -> Result<AttentionKernel, GpuError> {
+        self.attention_full(d, nsplit, qrope, merge, false)
+    }
+
+    /// [`Kernels::attention_with`] with `append`: the pass writes the step's key (normed, its
+    /// weight at 10 of q's dtype, and rotated as q is) and value, heads of the q/k/v row
+    /// ([`AttentionParams::with_append`]), into the caches it reads (`Op::NormRopeAttention`
+    /// with `append`; one token).
+    pub fn attention_kv(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, append: bool) -> Result<AttentionKernel, GpuError> {
+        self.attention_full(d, nsplit, qrope, self.opts.merge_splits, append)
+    }
+
+    /// The attention kernel with every choice given: splits, q's norm and RoPE, the merge in
+    /// the pass ([`Kernels::attention_merge`]) and the append ([`Kernels::attention_kv`]).
+    pub fn attention_full(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, merge: bool, append: bool) -> Result<AttentionKernel, GpuError> {
+        if append && qrope.is_none() {
+            return Err(GpuError::Kernel { name: "attention".into(), msg: "appending the step's key needs q's norm and RoPE in the pass".into() });
+        }
         if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
             return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
         }
@@ -895,7 +915,7 @@ impl Kernels {
         }
         let split = nsplit > 1;
         let merge = split && merge;
-        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge })?;
+        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge, append })?;
         let combine = if split && !merge { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
         Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
     }
@@ -1451,7 +1471,18 @@ pub struct AttentionParams {
     pub nsplit: u32,
     pub _pad0: u32,
     pub scale: f32,
-    pub _pad: [u32; 3],
+    /// With append: the step's key heads start at head `k_head0` of q's row, its value heads
+    /// at `v_head0`.
+    pub k_head0: u32,
+    pub v_head0: u32,
+    pub _pad: u32,
+}
+
+impl AttentionParams {
+    /// Where the step's key and value heads start in q's row (an appending pass).
+    pub fn with_append(self, k_head0: usize, v_head0: usize) -> Self {
+        AttentionParams { k_head0: k_head0 as u32, v_head0: v_head0 as u32, ..self }
+    }
 }
 
 /// Attention. Bindings: 0 params, 1 q `[T, nq, D]`, 2 pos, 3 k, 4 v (`[S, nkv, D]`),
@@ -1485,9 +1516,12 @@ impl AttentionKernel {
             nsplit: self.nsplit,
             _pad0: 0,
             scale,
-            _pad: [0; 3],
+            k_head0: 0,
+            v_head0: 0,
+            _pad: 0,
         }
     }
+
     /// Whether each head's last workgroup merges the split partials (splits, no combine).
     pub fn merges(&self) -> bool {
         self.nsplit > 1 && self.combine.is_none()

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use petgraph::graph::NodeIndex;
 
 use markbase_graph::ir::{InputKind, NodeKind, StateKind};
-use markbase_graph::ops::{DType, Op};
+use markbase_graph::ops::{DType, NormScale, Op};
 use markbase_graph::passes::{Compiled, Storage};
 use markbase_graph::quant::FloatType;
 
@@ -447,14 +447,31 @@ impl GpuExecutor {
                             }
                             _ => None,
                         };
-                        let k = self.kernels.attention_with(d, attention_splits(slots, nq, t), qrope.as_ref().map(|q| q.1.map(|v| v.1))).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(t, nq, nkv, d, slots, *scale, *window)));
+                        let qdt = qrope.as_ref().map(|q| q.1.map(|v| v.1));
+                        // the step's key and value appended by the pass: the key's norm weight at 10
+                        let append = match op {
+                            Op::NormRopeAttention { append: Some(a), norm, .. } => {
+                                let wk = if *norm == NormScale::None { None } else { Some(vecw(5).ok_or_else(|| format!("node {}: key norm weight missing", node.name))?) };
+                                if wk.map(|w| w.1) != qdt.flatten() {
+                                    return Err(format!("node %{} {}: the key's norm weight is not stored as the query's", node.id, node.name));
+                                }
+                                Some((a, wk))
+                            }
+                            _ => None,
+                        };
+                        let k = self.kernels.attention_kv(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(kerr)?;
+                        let params = k.params(t, nq, nkv, d, slots, *scale, *window);
+                        let params = append.map_or(params, |(a, _)| params.with_append(a.k.start, a.v.start));
+                        let p = uni(bytemuck::bytes_of(&params));
                         let mut extra: Vec<(u32, &wgpu::Buffer)> = vec![];
                         if let Some((rb, nw)) = &qrope {
                             extra.push((6, rb));
                             if let Some((b, _)) = nw {
                                 extra.push((7, b));
                             }
+                        }
+                        if let Some((_, Some((b, _)))) = append {
+                            extra.push((10, b));
                         }
                         let sc = k.scratch(&self.gpu, &node.name, t, nq, d);
                         if let Some(sc) = &sc {
