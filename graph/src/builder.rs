@@ -467,11 +467,11 @@ fn kv_append(
         return None;
     }
     let d = b.g.node(k).ty.last();
-    let wk = b.w(k_norm, Some(i), &[d], false);
-    let fmt = |b: &B, n: NodeIndex| b.g.node(n).weight().map(|p| p.format);
-    if fmt(b, wk) != fmt(b, *w) {
+    let k_format = b.res.format(&format!("{}{k_norm}", b.prefix), &[d], false);
+    if b.g.node(*w).weight().map(|p| p.format) != Some(k_format) {
         return None;
     }
+    let wk = b.w(k_norm, Some(i), &[d], false);
     let (ks, vs) = kv_states(b, i, kh.count, d, slots);
     Some(Kv::Append { k: ks, v: vs, wk, heads: KvAppend { k: kh, v: vh } })
 }

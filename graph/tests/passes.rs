@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use markbase_graph::builder::{build_from_config, BuildOptions};
+use markbase_graph::builder::{build, build_from_config, BuildOptions, ConfigResolver, WeightResolver};
 use markbase_graph::ir::{Graph, GraphKind, InputKind, StateKind, WeightParam};
 use markbase_graph::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
 use markbase_graph::passes::{check, compile, Compiled, PhasePolicy, Storage};
@@ -225,6 +225,33 @@ fn checker_catches_a_second_user_of_an_appended_cache() {
     g.op("v_write_again", layer, Op::KvWrite { heads: Some(a.v) }, &[ins[0], ins[1], ins[3]]).unwrap();
     let e = compile(g, PhasePolicy::Step).unwrap_err();
     assert!(e.0.contains("appends to") && e.0.contains("also uses"), "{e}");
+}
+
+/// Layer 0's key norm stored as f32, its query norm as bf16: that layer's caches are written in
+/// front of its attention (the appending pass reads both norms as one dtype), and each norm
+/// weight is one node.
+#[test]
+fn mixed_norm_dtypes_keep_the_cache_writes() {
+    struct F32KeyNorm<'a>(ConfigResolver<'a>);
+    impl WeightResolver for F32KeyNorm<'_> {
+        fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat {
+            if name.ends_with("layers.0.self_attn.k_norm.weight") {
+                return WeightFormat::Float { dtype: FloatType::F32 };
+            }
+            self.0.format(name, shape, module)
+        }
+    }
+    let cfg = load("gemma3-270m");
+    let g = build(&cfg, &F32KeyNorm(ConfigResolver(&cfg)), &BuildOptions::decode(256, 32)).unwrap();
+    let gr = &g;
+    let layer_ops = |l: usize| gr.op_nodes().filter(|&n| gr.node(n).layer == Some(l)).map(|n| gr.node(n).op().unwrap().clone()).collect::<Vec<_>>();
+    let appends = |ops: &[Op]| ops.iter().filter(|op| matches!(op, Op::NormRopeAttention { append: Some(_), .. })).count();
+    let writes = |ops: &[Op]| ops.iter().filter(|op| op.writes_state()).count();
+    assert_eq!((appends(&layer_ops(0)), writes(&layer_ops(0))), (0, 2));
+    assert_eq!((appends(&layer_ops(1)), writes(&layer_ops(1))), (1, 0));
+    let k_norms = g.weights().filter(|(_, w)| w.name.ends_with("layers.0.self_attn.k_norm.weight")).count();
+    assert_eq!(k_norms, 1);
+    compile(g, PhasePolicy::Step).unwrap();
 }
 
 fn configs_dir() -> PathBuf {
