@@ -776,7 +776,7 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
     let merges: &[bool] = if nsplit > 1 { &[false, true] } else { &[false] };
     for (label, ks) in &e.variants {
         for &merge in merges {
-            let k = ks.attention_merge(d, nsplit, None, merge).unwrap();
+            let k = ks.attention_full(d, nsplit, None, merge, false).unwrap();
             let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
             let sc = k.scratch(gpu, "attention", t, nq, d);
             for rep in 0..1 + merge as usize {
@@ -809,7 +809,7 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
     let rpb = gpu.uniform("rope", &rp);
     for (label, ks) in &e.variants {
         for &merge in merges {
-            let k = ks.attention_merge(d, nsplit, Some(Some(FloatType::Bf16)), merge).unwrap();
+            let k = ks.attention_full(d, nsplit, Some(Some(FloatType::Bf16)), merge, false).unwrap();
             let p = gpu.uniform("p", &k.params(t, nq, nkv, d, slots, scale, window));
             let out = gpu.storage("out", (want.len() * 4) as u64);
             let sc = k.scratch(gpu, "attention", t, nq, d);

@@ -876,31 +876,19 @@ impl Kernels {
     /// workgroups (decode over long contexts), merged in the pass
     /// ([`KernelOptions::merge_splits`]) or by a combine dispatch.
     pub fn attention(&self, d: usize, nsplit: usize) -> Result<AttentionKernel, GpuError> {
-        self.attention_with(d, nsplit, None)
+        self.attention_with(d, nsplit, None, false)
     }
 
     /// `qrope`: q's norm (weight dtype) and RoPE in front (`Op::NormRopeAttention`; bindings 6
-    /// the `RopeParams`, 7 the norm weight).
-    pub fn attention_with(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>) -> Result<AttentionKernel, GpuError> {
-        self.attention_merge(d, nsplit, qrope, self.opts.merge_splits)
-    }
-
-    /// [`Kernels::attention_with`], `merge`: split partials merged by the last workgroup of
-    /// each head (see [`KernelOptions::merge_splits`]) rather than by a combine dispatch.
-    pub fn attention_merge(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, merge: bool) -> Result<AttentionKernel, GpuError> {
-        self.attention_full(d, nsplit, qrope, merge, false)
-    }
-
-    /// [`Kernels::attention_with`] with `append`: the pass writes the step's key (normed, its
-    /// weight at 10 of q's dtype, and rotated as q is) and value, heads of the q/k/v row
-    /// ([`AttentionParams::with_append`]), into the caches it reads (`Op::NormRopeAttention`
-    /// with `append`; one token).
-    pub fn attention_kv(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, append: bool) -> Result<AttentionKernel, GpuError> {
+    /// the `RopeParams`, 7 the norm weight). `append` (with `qrope`, one token): the pass writes
+    /// the step's key (normed, its weight at 10 of q's dtype, and rotated as q is) and value,
+    /// heads of the q/k/v row ([`AttentionParams::with_append`]), into the caches it reads.
+    pub fn attention_with(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, append: bool) -> Result<AttentionKernel, GpuError> {
         self.attention_full(d, nsplit, qrope, self.opts.merge_splits, append)
     }
 
-    /// The attention kernel with every choice given: splits, q's norm and RoPE, the merge in
-    /// the pass ([`Kernels::attention_merge`]) and the append ([`Kernels::attention_kv`]).
+    /// [`Kernels::attention_with`] with `merge` given: split partials merged by the last
+    /// workgroup of each head (see [`KernelOptions::merge_splits`]) or by a combine dispatch.
     pub fn attention_full(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, merge: bool, append: bool) -> Result<AttentionKernel, GpuError> {
         if append && qrope.is_none() {
             return Err(GpuError::Kernel { name: "attention".into(), msg: "appending the step's key needs q's norm and RoPE in the pass".into() });

@@ -459,7 +459,7 @@ impl GpuExecutor {
                             }
                             _ => None,
                         };
-                        let k = self.kernels.attention_kv(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(kerr)?;
+                        let k = self.kernels.attention_with(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(kerr)?;
                         let params = k.params(t, nq, nkv, d, slots, *scale, *window);
                         let params = append.map_or(params, |(a, _)| params.with_append(a.k.start, a.v.start));
                         let p = uni(bytemuck::bytes_of(&params));
