@@ -239,12 +239,8 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         Val::F(Rc::new(out))
                     }
                     Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
-                        let p = get(&vals, ins[1]);
-                        let s = &node.ty.shape;
-                        let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
-                        let xn = ops::head_range(&xn, &g.node(ins[0]).ty.shape, *heads);
-                        ops::rope(&xn, p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
-                        Val::F(Rc::new(out))
+                        let rope = (*theta, *factor, *rotary_pairs);
+                        Val::F(Rc::new(norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *scale, rope)?))
                     }
                     Op::KvWrite { heads } => {
                         let xv = get(&vals, ins[0]);
@@ -260,10 +256,8 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
                         let p = get(&vals, ins[1]);
                         let s = &node.ty.shape;
-                        let xn = normed_input(g, w, &vals, n, op, *eps, *scale)?;
-                        let xn = ops::head_range(&xn, &g.node(ins[0]).ty.shape, *heads);
-                        let mut rows = vec![0f32; xn.len()];
-                        ops::rope(&xn, p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut rows);
+                        let rope = (*theta, *factor, *rotary_pairs);
+                        let rows = norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *scale, rope)?;
                         let cache = state.caches.get_mut(&state_key(g, ins[ins.len() - 1])).ok_or("state missing")?;
                         ops::kv_write(&rows, p.u(), s[1] * s[2], cache);
                         Val::F(Rc::new(vec![]))
@@ -271,12 +265,8 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     Op::Attention { scale, window } | Op::NormRopeAttention { scale, window, .. } => {
                         let q = match op {
                             Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, heads, .. } => {
-                                let xn = normed_input(g, w, &vals, n, op, *eps, *norm)?;
-                                let xn = ops::head_range(&xn, &g.node(ins[0]).ty.shape, *heads);
-                                let mut q = vec![0f32; out.len()];
-                                let s = &node.ty.shape;
-                                ops::rope(&xn, get(&vals, ins[1]).u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut q);
-                                Val::F(Rc::new(q))
+                                let rope = (*theta, *factor, *rotary_pairs);
+                                Val::F(Rc::new(norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *norm, rope)?))
                             }
                             _ => get(&vals, ins[0]).clone(),
                         };
@@ -290,15 +280,12 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                             }
                         }
                         if let Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, append: Some(a), .. } = op {
-                            // the step's key (normed with its own weight, rotated) and value into the caches
-                            let (x, xs) = (get(&vals, ins[0]), &g.node(ins[0]).ty.shape);
-                            let wk = weight_or_value(g, w, &vals, ins[5])?;
-                            let kx = ops::head_range(x.f(), xs, Some(a.k));
-                            let mut kn = vec![0f32; kx.len()];
-                            ops::rms_norm(&kx, Some(&wk), d, *eps, *norm, &mut kn);
-                            let mut kr = vec![0f32; kn.len()];
-                            ops::rope(&kn, p.u(), nkv, d, *theta, *factor, *rotary_pairs, &mut kr);
+                            // the step's key (normed with its own weight, the input after q's, and
+                            // rotated) and value into the caches
+                            let wk = op.norm_weight_input().map(|i| i + 1);
+                            let kr = norm_rope_heads(g, w, &vals, n, wk, Some(a.k), *eps, *norm, (*theta, *factor, *rotary_pairs))?;
                             ops::kv_write(&kr, p.u(), nkv * d, state.caches.get_mut(&state_key(g, ins[2])).ok_or("state missing")?);
+                            let (x, xs) = (get(&vals, ins[0]), &g.node(ins[0]).ty.shape);
                             let vx = ops::head_range(x.f(), xs, Some(a.v));
                             ops::kv_write(&vx, p.u(), nkv * d, state.caches.get_mut(&state_key(g, ins[3])).ok_or("state missing")?);
                         }
@@ -415,6 +402,37 @@ fn normed_input(
     let Val::F(x) = x else { return Err(format!("norm input of {} is not f32", g.node(n).name)) };
     let mut out = vec![0f32; x.len()];
     ops::rms_norm(x, wt.as_deref().map(|v| v.as_slice()), g.node(ins[0]).ty.last(), eps, scale, &mut out);
+    Ok(out)
+}
+
+/// `rope(rms_norm(x))` per head row of node `n`'s first input `x: [T, H, D]` (heads `heads` of
+/// it when given; positions its second input), normed with the weight at input `w_in` (none
+/// without): the q/k norm and RoPE of `NormRope`, `KvWriteNormRope` and `NormRopeAttention`
+/// (its queries and the key it appends).
+#[allow(clippy::too_many_arguments)]
+fn norm_rope_heads(
+    g: &markbase_graph::Graph,
+    w: &mut CpuWeights,
+    vals: &[Option<Val>],
+    n: NodeIndex,
+    w_in: Option<usize>,
+    heads: Option<markbase_graph::ops::HeadRange>,
+    eps: f32,
+    scale: markbase_graph::ops::NormScale,
+    (theta, factor, pairs): (f32, f32, usize),
+) -> Result<Vec<f32>, String> {
+    let ins = g.inputs(n);
+    let wt = w_in.map(|i| weight_or_value(g, w, vals, ins[i])).transpose()?;
+    let (Some(Val::F(x)), Some(Val::U(pos))) = (&vals[ins[0].index()], &vals[ins[1].index()]) else {
+        return Err(format!("inputs of {} not computed as f32 rows and u32 positions", g.node(n).name));
+    };
+    let shape = &g.node(ins[0]).ty.shape;
+    let (h, d) = (heads.map_or(shape[1], |r| r.count), shape[2]);
+    let rows = ops::head_range(x, shape, heads);
+    let mut xn = vec![0f32; rows.len()];
+    ops::rms_norm(&rows, wt.as_deref().map(|v| v.as_slice()), d, eps, scale, &mut xn);
+    let mut out = vec![0f32; xn.len()];
+    ops::rope(&xn, pos, h, d, theta, factor, pairs, &mut out);
     Ok(out)
 }
 
