@@ -885,6 +885,9 @@ fn attention_decode_prefill_window_split() {
     attention_case(&mut r, 1, 2, 2, 256, 400, None, 399, 3);
     // decode, more splits than keys (empty splits)
     attention_case(&mut r, 1, 2, 1, 16, 8, None, 2, 5);
+    // decode, head dim 512 and 13 splits: the merge's one split lane takes them in two rounds
+    // of eight loads, the second partial; a sliding window over a wrapped ring
+    attention_case(&mut r, 1, 2, 1, 512, 300, Some(250), 700, 13);
     // prefill, causal from 0, GQA 3:1, head dim 512
     attention_case(&mut r, 5, 3, 1, 512, 16, None, 0, 1);
     // prefill continuing at position 37 with a window of 20

@@ -8,8 +8,8 @@
 // of dims lid % D4 over the tile's keys lid / D4, lid / D4 + WG / D4, .., four loads at a
 // time, and the WG / D4 key lanes are summed at the end). With nsplit == 1 the result is
 // written to out;
-// otherwise (SPLIT) out receives per split [D unnormalized outputs, max, sum] and
-// attn_combine.wgsl merges them.
+// otherwise (SPLIT) out receives per split [D unnormalized outputs, then max, sum and two
+// unused values] (vec4s) and attn_combine.wgsl merges them.
 //
 // MERGE (with SPLIT): no combine dispatch. Each workgroup, its partials stored, fences them
 // (storageBarrier: a device-scope release and acquire in SPIR-V) and counts itself in its
@@ -67,18 +67,22 @@ struct Params {
 @group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
 //#endif
+//#if SPLIT
+@group(0) @binding(5) var<storage, read_write> out: array<vec4<f32>>;
+//#else
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+//#endif
 //#if MERGE
-@group(0) @binding(8) var<storage, read_write> fin: array<f32>;
+@group(0) @binding(8) var<storage, read_write> fin: array<vec4<f32>>;
 @group(0) @binding(9) var<storage, read_write> done: array<atomic<u32>>;
 var<workgroup> wlast: u32;
 
 // split_merge.wgsl's accessors: the partials are this dispatch's out, the results fin
-fn split_part(i: u32) -> f32 {
+fn split_part(i: u32) -> vec4<f32> {
     return out[i];
 }
 
-fn split_out(i: u32, v: f32) {
+fn split_out(i: u32, v: vec4<f32>) {
     fin[i] = v;
 }
 //#endif
@@ -151,13 +155,15 @@ var<workgroup> ov: array<vec4<f32>, WG>;
 var<workgroup> slots: array<u32, WG>;
 var<workgroup> wpos: u32;
 
-// Four outputs from element i (out is scalar: a split's partials are D + 2 floats apart).
+//#if !SPLIT
+// Four outputs from element i.
 fn store4(i: u32, v: vec4<f32>) {
     out[i] = v.x;
     out[i + 1u] = v.y;
     out[i + 2u] = v.z;
     out[i + 3u] = v.w;
 }
+//#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -449,13 +455,12 @@ fn main(
         }
     }
 //#if SPLIT
-    let ob = ((t * p.nq + h) * p.nsplit + sp) * (D + 2u);
+    let ob = ((t * p.nq + h) * p.nsplit + sp) * (D4 + 1u);
     if lid < D4 {
-        store4(ob + 4u * dv, o4);
+        out[ob + dv] = o4;
     }
     if lid == 0u {
-        out[ob + D] = m;
-        out[ob + D + 1u] = l;
+        out[ob + D4] = vec4<f32>(m, l, 0.0, 0.0);
     }
 //#if MERGE
     storageBarrier();
@@ -465,7 +470,7 @@ fn main(
     }
     if workgroupUniformLoad(&wlast) == 1u {
         storageBarrier();
-        merge_splits(hc * p.nsplit * (D + 2u), hc * D, D, p.nsplit, lid);
+        merge_splits(hc * p.nsplit * (D4 + 1u), hc * D4, D, p.nsplit, lid);
         if lid == 0u {
             atomicStore(&done[hc], 0u);
         }

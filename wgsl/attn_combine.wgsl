@@ -20,15 +20,16 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> part: array<f32>;
-@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(1) var<storage, read> part: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> out: array<vec4<f32>>;
 var<workgroup> ps: array<f32, WG>;
+var<workgroup> ov: array<vec4<f32>, WG>;
 
-fn split_part(i: u32) -> f32 {
+fn split_part(i: u32) -> vec4<f32> {
     return part[i];
 }
 
-fn split_out(i: u32, v: f32) {
+fn split_out(i: u32, v: vec4<f32>) {
     out[i] = v;
 }
 
@@ -39,5 +40,5 @@ fn main(
 ) {
     init_ids(lid, 0u, 0u, 1u);
     let hc = wid.y * p.nq + wid.x;
-    merge_splits(hc * p.nsplit * (p.D + 2u), hc * p.D, p.D, p.nsplit, lid);
+    merge_splits(hc * p.nsplit * (p.D / 4u + 1u), hc * (p.D / 4u), p.D, p.nsplit, lid);
 }

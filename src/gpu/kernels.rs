@@ -1514,9 +1514,10 @@ impl AttentionKernel {
     pub fn merges(&self) -> bool {
         self.nsplit > 1 && self.combine.is_none()
     }
-    /// Bytes of the scratch buffer for split partials.
+    /// Bytes of the scratch buffer for split partials (per split: d values, then the max, the
+    /// sum and two unused values, so that every split starts a vec4).
     pub fn partials_bytes(&self, t: usize, nq: usize, d: usize) -> u64 {
-        (t * nq * self.nsplit as usize * (d + 2) * 4) as u64
+        (t * nq * self.nsplit as usize * (d + 4) * 4) as u64
     }
     /// The scratch buffers of a split attention over `t` queries of `nq` heads (`None`
     /// without splits).
