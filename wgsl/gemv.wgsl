@@ -21,10 +21,13 @@
 // Prelude consts: WG, R, TT, RS (reduction slots per invocation: R * TT, twice that with
 // DUAL), RS2 .. RS16 (RS / 2 .. RS / 16), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16,
 // 1 f16, 2 f32); weight consts (weights.wgsl).
-// HALF (one token, affine 4-bit, XVEC, not DUAL): two invocations per block, each taking
-// alternate runs of four elements (vec4s 2i + h of the block, nibbles 4h..4h+3 of each weight
-// word), so that a subgroup's vec4 activation loads read whole 32-byte sectors; an invocation
-// owning a whole block (128 contiguous bytes of x) makes each such load touch 32 lines.
+// HALF (one token, affine 4-bit, XVEC, not DUAL): two invocations per block, invocation h
+// taking elements 16h..16h+15: words 2h and 2h + 1 of the block's four (one 8-byte load per
+// row, weights read as vec2<u32>: W_VEC2) and vec4s 4h..4h+3 of x. An invocation owning a whole
+// block (128 contiguous bytes of x) makes each vec4 activation load of a subgroup touch 32
+// lines; a pair touches 16. Taking alternate runs of four elements instead (vec4s 2i + h, so a
+// pair's loads read whole 32-byte sectors) made both invocations load the whole 16-byte block
+// word and ran slower (registers).
 //
 // XRED (SUBGROUP, one token, RS a power of two up to 16, subgroups of RS to WG invocations,
 // else a subgroupAdd per row): the RS sums are reduced across a subgroup in log2(RS) levels, each
@@ -224,10 +227,10 @@ fn blk_dot(d: Blk, xv: V8, xs: f32) -> f32 {
 //#if HALF
 // Half `h` of block `blk` of x row `xr`: vec4s 2i + h of the block (K % 32 == 0).
 fn load_xh(xr: u32, blk: u32, h: u32, K: u32) -> H4 {
-    let b = xr * (K >> 2u) + blk * 8u + h;
     var v: H4;
+    let b = xr * (K >> 2u) + blk * 8u + 4u * h;
 //#repeat 4 i
-    v.v$i = x[b + 2u * $iu];
+    v.v$i = x[b + $iu];
 //#endrepeat
     return v;
 }
@@ -255,7 +258,7 @@ fn sumsq_h(v: H4) -> f32 {
 fn norm_xh(v: H4, blk: u32, h: u32) -> H4 {
     var o: H4;
 //#repeat 4 i
-    o.v$i = v.v$i * nw4(blk * 8u + 2u * $iu + h);
+    o.v$i = v.v$i * nw4(blk * 8u + 4u * h + $iu);
 //#endrepeat
     return o;
 }

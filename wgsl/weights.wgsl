@@ -6,13 +6,16 @@
 // WGROUP, SDT (affine scale/bias dtype), FDT (float weight dtype); dtypes:
 // 0 bf16, 1 f16, 2 f32 (16-bit values packed two per u32, little-endian).
 // Flags: W_FLOAT | W_QUANT, W_AFFINE, W_GLOBAL; fast paths (K % 32 == 0, binding 8 read
-// as vec4<u32>: W_VEC4): W_FAST4 / W_FAST8 (4/8-bit codes), W_FASTBF16, W_FASTF32.
+// as vec4<u32>: W_VEC4, or as vec2<u32>: W_VEC2, the GEMV's half blocks): W_FAST4 / W_FAST8
+// (4/8-bit codes), W_FASTBF16, W_FASTF32.
 //
 // Bindings: 8 packed weights (u32 words, or f32/bf16/f16 values), 9 scales
 // (affine: SDT values; mx/nv: u8 bytes, four per word), 10 biases (affine),
 // 11 nvfp4 global scale per expert (f32).
 
-//#if W_VEC4
+//#if W_VEC2
+@group(0) @binding(8) var<storage, read> wq: array<vec2<u32>>;
+//#elif W_VEC4
 @group(0) @binding(8) var<storage, read> wq: array<vec4<u32>>;
 //#else
 @group(0) @binding(8) var<storage, read> wq: array<u32>;
@@ -77,8 +80,20 @@ struct Oct {
     b: vec4<f32>,
 }
 
+//#if W_VEC2
+fn wq4(i: u32) -> vec4<u32> {
+    return vec4<u32>(wq[2u * i], wq[2u * i + 1u]);
+}
+//#elif W_VEC4
+fn wq4(i: u32) -> vec4<u32> {
+    return wq[i];
+}
+//#endif
+
 fn wword(w: u32) -> u32 {
-//#if W_VEC4
+//#if W_VEC2
+    return wq[w >> 1u][w & 1u];
+//#elif W_VEC4
     return wq[w >> 2u][w & 3u];
 //#else
     return wq[w];
@@ -199,7 +214,7 @@ fn blk_codes(row: u32, blk: u32, K: u32) -> U8 {
     var c: U8;
 //#if W_FAST4
     // 4 bits: one vec4 of words per block; K % 32 == 0.
-    let v = wq[row * (K >> 5u) + blk];
+    let v = wq4(row * (K >> 5u) + blk);
     let lo = vec4<u32>(0u, 4u, 8u, 12u);
     let hi = vec4<u32>(16u, 20u, 24u, 28u);
     let m = vec4<u32>(15u);
@@ -214,8 +229,8 @@ fn blk_codes(row: u32, blk: u32, K: u32) -> U8 {
 //#elif W_FAST8
     // 8 bits: two vec4 of words per block; K % 32 == 0.
     let base = row * (K >> 4u) + 2u * blk;
-    let v0 = wq[base];
-    let v1 = wq[base + 1u];
+    let v0 = wq4(base);
+    let v1 = wq4(base + 1u);
     let sh = vec4<u32>(0u, 8u, 16u, 24u);
     let m = vec4<u32>(255u);
     c.v0 = (vec4<u32>(v0.x) >> sh) & m;
@@ -314,7 +329,7 @@ fn dq_blk(row: u32, blk: u32, K: u32) -> Blk {
 //#elif W_FAST4 && W_AFFINE
     // affine 4-bit: each nibble q becomes the f32 1 + q/16 with one shift and one
     // and-or (bits placed in the mantissa); value = s*q + b = 16s * (1 + q/16) + (b - 16s).
-    let v = wq[row * (K >> 5u) + blk];
+    let v = wq4(row * (K >> 5u) + blk);
     let sl = vec4<u32>(19u, 15u, 11u, 7u);
     let mk = vec4<u32>(0x00780000u);
     let one = vec4<u32>(0x3f800000u);
@@ -363,19 +378,19 @@ fn dq_blk(row: u32, blk: u32, K: u32) -> Blk {
     return r;
 }
 
-//#if W_FAST4 && W_AFFINE
-// Half `h` of block `blk` of `row` (affine 4-bit): elements 8i + 4h .. 8i + 4h + 3 of the
-// block for i = 0..3, nibbles 4h .. 4h + 3 of each of its four words (same decoding as dq_blk).
+//#if W_FAST4 && W_AFFINE && W_VEC2
+// Half `h` of block `blk` of `row` (affine 4-bit): elements 16h .. 16h + 15 of the block,
+// words 2h and 2h + 1 of its four, one 8-byte load (same decoding as dq_blk).
 fn dq_half(row: u32, blk: u32, h: u32, K: u32) -> HBlk {
     var r: HBlk;
-    let v = wq[row * (K >> 5u) + blk] >> vec4<u32>(h * 16u);
     let sl = vec4<u32>(19u, 15u, 11u, 7u);
     let mk = vec4<u32>(0x00780000u);
     let one = vec4<u32>(0x3f800000u);
-    r.v.v0 = bitcast<vec4<f32>>(((vec4<u32>(v.x) << sl) & mk) | one);
-    r.v.v1 = bitcast<vec4<f32>>(((vec4<u32>(v.y) << sl) & mk) | one);
-    r.v.v2 = bitcast<vec4<f32>>(((vec4<u32>(v.z) << sl) & mk) | one);
-    r.v.v3 = bitcast<vec4<f32>>(((vec4<u32>(v.w) << sl) & mk) | one);
+    let w = wq[(row * (K >> 5u) + blk) * 2u + h];
+    r.v.v0 = bitcast<vec4<f32>>(((vec4<u32>(w.x) << sl) & mk) | one);
+    r.v.v1 = bitcast<vec4<f32>>(((vec4<u32>(w.x >> 16u) << sl) & mk) | one);
+    r.v.v2 = bitcast<vec4<f32>>(((vec4<u32>(w.y) << sl) & mk) | one);
+    r.v.v3 = bitcast<vec4<f32>>(((vec4<u32>(w.y >> 16u) << sl) & mk) | one);
     let g = row * (K / WGROUP) + blk * 32u / WGROUP;
     let sc = w_scale(g);
     r.s = 16.0 * sc;

@@ -102,8 +102,8 @@ fn weights_third() -> &'static str {
 /// weights.wgsl with its bindings moved by `shift` and its names suffixed, structs left out.
 fn weights_renamed(suffix: &str, shift: u32) -> String {
     {
-        const NAMES: [&str; 20] = [
-            "wq", "wsc", "wbi", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
+        const NAMES: [&str; 21] = [
+            "wq", "wq4", "wsc", "wbi", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
             "oct_codes", "blk_codes", "wf4", "bf16x4", "dq_blk", "dq_oct", "dq_half",
         ];
         let mut out = String::new();
@@ -201,7 +201,9 @@ pub enum KernelSpec {
     Sample { stage: u32 },
 }
 
-fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Source {
+/// weights.wgsl's consts and flags for `fmt`; `vec2`: the packed words bound as `vec2<u32>` (the
+/// GEMV's half blocks, 4-bit affine), else as `vec4<u32>` on the fast paths.
+fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool, vec2: bool) -> Source {
     let (wfmt, fdt) = match fmt {
         GpuFormat::Affine { .. } => (0, 2),
         GpuFormat::Mxfp4 => (1, 2),
@@ -231,7 +233,8 @@ fn weight_source(src: Source, fmt: GpuFormat, fast: bool, k_mult32: bool) -> Sou
         .flag("W_FAST8", fast8)
         .flag("W_FASTBF16", fast_bf16)
         .flag("W_FASTF32", fast_f32)
-        .flag("W_VEC4", fast4 || fast8 || fast_bf16 || fast_f32)
+        .flag("W_VEC4", !vec2 && (fast4 || fast8 || fast_bf16 || fast_f32))
+        .flag("W_VEC2", vec2)
 }
 
 impl KernelSpec {
@@ -303,6 +306,7 @@ impl KernelSpec {
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => {
                 let files: &[&'static str] = if dual { &[COMMON, WEIGHTS, weights_second(), GEMV] } else { &[COMMON, WEIGHTS, GEMV] };
                 let rs = rows * tt * if dual { 2 } else { 1 };
+                let half = half && gemv_half(fmt, tt, xvec, bp2, dual);
                 let s = gemv_reduction(Source::new(files), rs, wg)
                     .flag("DUAL", dual)
                     .c("NDT", norm.flatten().map_or(2, dt_code))
@@ -316,12 +320,14 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", tt == 1)
                     .flag("BP2", bp2 && tt == 1)
-                    .flag("HALF", half && gemv_half(fmt, tt, xvec, bp2, dual));
-                weight_source(s, fmt, true, xvec)
+                    .flag("HALF", half);
+                // half blocks read their weights in 8-byte words
+                weight_source(s, fmt, true, xvec, half)
             }
             KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => {
                 let files: &[&'static str] =
                     if n == 3 { &[COMMON, WEIGHTS, weights_second(), weights_third(), GEMV] } else { &[COMMON, WEIGHTS, weights_second(), GEMV] };
+                let half = half && gemv_half(fmt, 1, xvec, false, false);
                 let s = gemv_reduction(Source::new(files), rows, wg)
                     .flag("DUAL", false)
                     .c("NDT", norm.map_or(2, dt_code))
@@ -335,16 +341,16 @@ impl KernelSpec {
                     .flag("XVEC", xvec)
                     .flag("TT1", true)
                     .flag("BP2", false)
-                    .flag("HALF", half && gemv_half(fmt, 1, xvec, false, false))
+                    .flag("HALF", half)
                     .flag("CAT", true)
                     .flag("CAT3", n == 3);
-                weight_source(s, fmt, true, xvec)
+                weight_source(s, fmt, true, xvec, half)
             }
-            KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false),
+            KernelSpec::Gemm { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256), fmt, false, false, false),
             KernelSpec::GroupedGemm { fmt } => {
-                weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false)
+                weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false, false)
             }
-            KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false),
+            KernelSpec::Embed { fmt } => weight_source(Source::new(&[COMMON, WEIGHTS, EMBED]).c("WG", 64), fmt, false, false, false),
             KernelSpec::RmsNorm { w, res, scalar, steps } => Source::new(&[COMMON, RMSNORM])
                 .c("WG", NORM_WG)
                 .c("NS", 8 * steps)
