@@ -25,9 +25,9 @@
 // taking elements 16h..16h+15: words 2h and 2h + 1 of the block's four (one 8-byte load per
 // row, weights read as vec2<u32>: W_VEC2) and vec4s 4h..4h+3 of x. An invocation owning a whole
 // block (128 contiguous bytes of x) makes each vec4 activation load of a subgroup touch 32
-// lines; a pair touches 16. Taking alternate runs of four elements instead (vec4s 2i + h, so a
-// pair's loads read whole 32-byte sectors) made both invocations load the whole 16-byte block
-// word and ran slower (registers).
+// lines; half blocks touch 16. Alternate runs of four elements instead (vec4s 2i + h, so that
+// a pair's loads read whole 32-byte sectors) need the block's whole 16-byte word in both
+// invocations, and measured slower.
 //
 // XRED (SUBGROUP, one token, RS a power of two up to 16, subgroups of RS to WG invocations,
 // else a subgroupAdd per row): the RS sums are reduced across a subgroup in log2(RS) levels, each
@@ -225,7 +225,7 @@ fn blk_dot(d: Blk, xv: V8, xs: f32) -> f32 {
 }
 
 //#if HALF
-// Half `h` of block `blk` of x row `xr`: vec4s 2i + h of the block (K % 32 == 0).
+// Half `h` of block `blk` of x row `xr`: vec4s 4h..4h+3 of the block (K % 32 == 0).
 fn load_xh(xr: u32, blk: u32, h: u32, K: u32) -> H4 {
     var v: H4;
     let b = xr * (K >> 2u) + blk * 8u + 4u * h;
