@@ -178,11 +178,20 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
                 for (n, s) in &p.dispatches {
                     let node = c.graph.node(*n);
                     let mut label = node.op().map(|o| o.name().to_string()).unwrap_or_default();
-                    if let Some(w) = c.graph.inputs(*n).iter().find_map(|&i| match &c.graph.node(i).kind {
-                        NodeKind::Weight { weight } if weight.module => Some(weight.format.describe()),
-                        _ => None,
-                    }) {
-                        label = format!("{label} [{w}]");
+                    // the op, its weights' format and the weights without their layer index
+                    // (a fused GEMV names each of its weights)
+                    let ws: Vec<(String, String)> = c
+                        .graph
+                        .inputs(*n)
+                        .iter()
+                        .filter_map(|&i| match &c.graph.node(i).kind {
+                            NodeKind::Weight { weight } if weight.module => Some((weight.format.describe(), weight_role(&weight.name))),
+                            _ => None,
+                        })
+                        .collect();
+                    if let Some((fmt, _)) = ws.first() {
+                        let names: Vec<&str> = ws.iter().map(|w| w.1.as_str()).collect();
+                        label = format!("{label} [{fmt}] {}", names.join("+"));
                     }
                     let e = by_op.entry(label).or_insert((0.0, 0));
                     e.0 += s;
@@ -270,5 +279,38 @@ pub fn table(rows: &[Value]) -> String {
             f("cpu_encode_us_median"),
         ));
     }
+    // with --profile: one decode step by op, largest first
+    for r in rows {
+        let Some(ops) = r.get("gpu_profile_by_op").and_then(|v| v.as_array()) else {
+            continue;
+        };
+        let mut ops: Vec<&Value> = ops.iter().collect();
+        ops.sort_by(|a, b| b["ms"].as_f64().unwrap_or(0.0).total_cmp(&a["ms"].as_f64().unwrap_or(0.0)));
+        s.push_str(&format!(
+            "\n{} on {}: one decode step, a timestamp after every dispatch ({:.3} ms in all; the timestamps slow it)\n| op [weights] | ms | dispatches | share |\n|---|---|---|---|\n",
+            r["model"].as_str().unwrap_or(""),
+            r["device"].as_str().unwrap_or("").split(" (").next().unwrap_or(""),
+            r["gpu_profile_total_ms"].as_f64().unwrap_or(f64::NAN)
+        ));
+        for e in ops {
+            s.push_str(&format!(
+                "| {} | {:.3} | {} | {:.1}% |\n",
+                e["op"].as_str().unwrap_or(""),
+                e["ms"].as_f64().unwrap_or(f64::NAN),
+                e["dispatches"],
+                100.0 * e["share"].as_f64().unwrap_or(f64::NAN)
+            ));
+        }
+    }
     s
+}
+
+/// A weight's name without its layer index ("model.layers.3.mlp.down_proj" -> "mlp.down_proj"),
+/// so that the profile sums one projection over the layers.
+fn weight_role(name: &str) -> String {
+    let parts: Vec<&str> = name.split('.').collect();
+    match parts.iter().position(|p| p.parse::<usize>().is_ok()) {
+        Some(i) => parts[i + 1..].join("."),
+        None => name.to_string(),
+    }
 }

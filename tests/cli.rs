@@ -129,3 +129,15 @@ fn bench_runs_on_gpu_and_cpu() {
     // a decode step is one phase: one submission
     assert!(rows.iter().any(|r| r["submits_per_step"] == 1), "{out}");
 }
+
+#[test]
+fn bench_profile_names_ops_and_weights() {
+    let (ok, out, err) = run(&["bench", "--synthetic", "tiny-gemma3", "--prompt", "8", "--gen", "2", "--runs", "1", "--profile"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("one decode step, a timestamp after every dispatch"), "no GPU profile: {out}");
+    // one row per op and projection, summed over the layers
+    for want in ["| matmul [", "mlp.down_proj |", "self_attn.o_proj |", "mlp.gate_proj+mlp.up_proj |", "| rms_norm_add |"] {
+        assert!(out.contains(want), "{want} missing: {out}");
+    }
+    assert!(!out.contains("layers."), "layer indices left in the profile: {out}");
+}

@@ -667,6 +667,38 @@ fn norm_matmul_formats() {
     }
 }
 
+/// The one-token GEMV over rows longer than one pass of its workgroup (K = 4,672: 146 blocks,
+/// 292 half blocks against at most 256 invocations, so the last pass is partial), plain and
+/// with the norm fused in front.
+#[test]
+fn gemv_long_rows() {
+    let mut r = rng("gemv_long_rows");
+    let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
+    let (n, k) = (37usize, 4672usize);
+    matmul_case(&mut r, fmt, n, k, &[1], 1);
+    let e = env();
+    let gpu = &e.gpu;
+    let wd = random_weight(&mut r, fmt, &[n, k]);
+    let wref = markbase::quant::dequantize(&wd).unwrap();
+    let gw = upload_weight(gpu, &wd, None).unwrap();
+    let x = randn(&mut r, k, 2.0);
+    let nwt = float_tensor(FloatType::Bf16, &[k], &randn(&mut r, k, 1.0));
+    let mut xn = vec![0f32; k];
+    cpu::rms_norm(&x, Some(&nwt.to_f32()), k, 1e-6, NormScale::OnePlusW, &mut xn);
+    let mut want = vec![0f32; n];
+    cpu::matmul(&xn, &wref, k, n, &mut want);
+    let (xb, nwb) = (gpu.upload_f32("x", &x), gpu.upload("nw", &nwt.bytes));
+    for (label, ks) in &e.variants {
+        let mm = ks.norm_matmul(fmt, k, Some(FloatType::Bf16)).unwrap();
+        let y = gpu.storage("y", (n * 4) as u64);
+        let d = MatMulDims::plain(&gw, 0, 1).with_norm(NormScale::OnePlusW, 1e-6);
+        let pb = gpu.uniform("p", &mm.params(&d));
+        let bg = mm.bind_group_norm(&gpu.device, &pb, &xb, &y, Some(&nwb), &gw, 0);
+        run(gpu, |pass| mm.dispatch(pass, &bg, &d));
+        check(&format!("norm_matmul K={k} [{label}] {}", mm.kernel.name), &gpu.read_f32(&y, n).unwrap(), &want);
+    }
+}
+
 #[test]
 fn rope_matches_cpu_up_to_32k() {
     let mut r = rng("rope");
