@@ -261,8 +261,7 @@ pub fn table(rows: &[Value]) -> String {
             continue;
         }
         let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-        let dev = r["device"].as_str().unwrap_or("");
-        let dev = dev.split(" (").next().unwrap_or(dev);
+        let dev = short_device(r["device"].as_str().unwrap_or(""));
         s.push_str(&format!(
             "| {} | {} | {:.1} | {:.1} [{:.1}, {:.1}] | {:.3} GB | {:.0} | {:.1}% | {} | {} | {:.0} |\n",
             r["model"].as_str().unwrap_or(""),
@@ -289,7 +288,7 @@ pub fn table(rows: &[Value]) -> String {
         s.push_str(&format!(
             "\n{} on {}: one decode step, a timestamp after every dispatch ({:.3} ms in all; the timestamps slow it)\n| op [weights] | ms | dispatches | share |\n|---|---|---|---|\n",
             r["model"].as_str().unwrap_or(""),
-            r["device"].as_str().unwrap_or("").split(" (").next().unwrap_or(""),
+            short_device(r["device"].as_str().unwrap_or("")),
             r["gpu_profile_total_ms"].as_f64().unwrap_or(f64::NAN)
         ));
         for e in ops {
@@ -303,6 +302,16 @@ pub fn table(rows: &[Value]) -> String {
         }
     }
     s
+}
+
+/// An adapter's description cut to its name and backend ("gpu: llvmpipe (vulkan)"): `--backend
+/// all` may find one adapter through several backends.
+fn short_device(dev: &str) -> String {
+    let name = dev.split(" (").next().unwrap_or(dev);
+    match ["vulkan", "metal", "dx12", "gl"].iter().find(|b| dev.contains(&format!("({b},"))) {
+        Some(b) => format!("{name} ({b})"),
+        None => name.to_string(),
+    }
 }
 
 /// A weight's name without its layer index ("model.layers.3.mlp.down_proj" -> "mlp.down_proj"),

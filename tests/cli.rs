@@ -140,4 +140,6 @@ fn bench_profile_names_ops_and_weights() {
         assert!(out.contains(want), "{want} missing: {out}");
     }
     assert!(!out.contains("layers."), "layer indices left in the profile: {out}");
+    // the device column names the backend (one adapter may be found through several)
+    assert!(["(vulkan) |", "(metal) |", "(dx12) |", "(gl) |"].iter().any(|b| out.contains(b)), "no backend in the device column: {out}");
 }
