@@ -668,8 +668,8 @@ fn norm_matmul_formats() {
 }
 
 /// The one-token GEMV over rows longer than one pass of its workgroup (K = 4,672: 146 blocks,
-/// 292 half blocks against at most 256 invocations, so the last pass is partial), plain and
-/// with the norm fused in front.
+/// 292 half blocks against at most 256 invocations, so the last pass is partial), plain (8 and,
+/// as for a weight of few long rows, 4 rows per workgroup) and with the norm fused in front.
 #[test]
 fn gemv_long_rows() {
     let mut r = rng("gemv_long_rows");
@@ -688,7 +688,18 @@ fn gemv_long_rows() {
     let mut want = vec![0f32; n];
     cpu::matmul(&xn, &wref, k, n, &mut want);
     let (xb, nwb) = (gpu.upload_f32("x", &x), gpu.upload("nw", &nwt.bytes));
+    let mut want_plain = vec![0f32; n];
+    cpu::matmul(&x, &wref, k, n, &mut want_plain);
     for (label, ks) in &e.variants {
+        // few rows of this length: 4 rows per workgroup
+        let mm = ks.matmul_rows(fmt, k, n, 1, false).unwrap();
+        assert!(mm.kernel.name.contains(" r4 "), "{}", mm.kernel.name);
+        let y = gpu.storage("y", (n * 4) as u64);
+        let d = MatMulDims::plain(&gw, 0, 1);
+        let pb = gpu.uniform("p", &mm.params(&d));
+        let bg = mm.bind_group(&gpu.device, &pb, &xb, &y, None, &gw, 0);
+        run(gpu, |pass| mm.dispatch(pass, &bg, &d));
+        check(&format!("matmul K={k} [{label}] {}", mm.kernel.name), &gpu.read_f32(&y, n).unwrap(), &want_plain);
         let mm = ks.norm_matmul(fmt, k, Some(FloatType::Bf16)).unwrap();
         let y = gpu.storage("y", (n * 4) as u64);
         let d = MatMulDims::plain(&gw, 0, 1).with_norm(NormScale::OnePlusW, 1e-6);

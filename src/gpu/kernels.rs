@@ -54,6 +54,16 @@ pub const GEMV_BP2: bool = false;
 /// workgroups to fill the GPU).
 pub const GEMV_DUAL_WIDE_N: usize = 14336;
 
+/// A one-token GEMV over fewer than this many groups of 8 rows, with rows of at least
+/// [`GEMV_FEW_MIN_K`], takes 4 rows per workgroup: twice the workgroups for a GPU that 8-row
+/// groups leave half idle (`MARKBASE_GEMV_FEW=0` turns it off).
+pub const GEMV_FEW_GROUPS: usize = 256;
+pub const GEMV_FEW_MIN_K: usize = 4096;
+
+fn few_long_rows(n: usize, k: usize) -> bool {
+    n.div_ceil(8) < GEMV_FEW_GROUPS && k >= GEMV_FEW_MIN_K && env_on("MARKBASE_GEMV_FEW")
+}
+
 /// Whether a GEMV walks half blocks: one token, affine 4-bit, K % 32 == 0, one block per step.
 /// Two invocations share each 32-element block, each taking alternate runs of four elements,
 /// so that every vec4 load of activations by a subgroup reads whole 32-byte sectors (an
@@ -744,6 +754,20 @@ impl Kernels {
     /// (`gather`: `t` = T*S pairs): the GEMV for `t < GEMM_MIN_T` or gathered, else the GEMM.
     pub fn matmul(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
         self.matmul_with(fmt, k, t, gather, None)
+    }
+
+    /// [`Kernels::matmul`] for a weight of `n` rows: a one-token GEMV over few, long rows takes
+    /// half the rows per workgroup (see [`GEMV_FEW_GROUPS`]).
+    pub fn matmul_rows(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
+        let m = self.matmul_with(fmt, k, t, gather, None)?;
+        match m.spec {
+            KernelSpec::Gemv { fmt, wg, rows: 8, tt: 1, gather: false, xvec, bp2, norm, dual, half }
+                if env_u32("MARKBASE_GEMV_ROWS").is_none() && few_long_rows(n, k) =>
+            {
+                self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows: 4, tt: 1, gather: false, xvec, bp2, norm, dual, half })
+            }
+            _ => Ok(m),
+        }
     }
 
     /// `rms_norm(x) @ W^T` for one token (`Op::NormMatMul`): the GEMV with the norm

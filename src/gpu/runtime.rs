@@ -261,7 +261,7 @@ impl GpuExecutor {
                     Op::MatMul => {
                         let w = mat(1)?;
                         let rows = g.node(ins[0]).ty.rows();
-                        let k = self.kernels.matmul(w.format, w.k, rows, false).map_err(kerr)?;
+                        let k = self.kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(kerr)?;
                         for ci in 0..w.chunks.len() {
                             let d = MatMulDims::plain(w, ci, rows);
                             let p = uni(bytemuck::bytes_of(&k.params(&d)));
