@@ -622,12 +622,14 @@ fn norm_matmul_formats() {
                 let mut up = vec![0f32; n];
                 cpu::matmul(&xn, &wref2, k, n, &mut up);
                 let want_gu: Vec<f32> = want.iter().zip(&up).map(|(&g, &u)| cpu::gelu(g) * u).collect();
-                let mm = ks.norm_geglu(fmt, k, n, nt).unwrap();
-                // and as for wide weights: 8 rows of each per workgroup
-                let KernelSpec::Gemv { rows, .. } = mm.spec else { panic!("not a GEMV") };
-                let wide = ks.norm_geglu(fmt, k, GEMV_DUAL_WIDE_N, nt).unwrap();
-                let KernelSpec::Gemv { rows: wide_rows, .. } = wide.spec else { panic!("not a GEMV") };
-                let runs = if wide_rows != rows { vec![mm, wide] } else { vec![mm] };
+                // as for narrow, middling and wide weights: 2, 4 and 8 rows of each per workgroup
+                let mut runs: Vec<MatMulKernel> = Vec::new();
+                for rows_for in [n, GEMV_DUAL_NARROW_N, GEMV_DUAL_WIDE_N] {
+                    let mm = ks.norm_geglu(fmt, k, rows_for, nt).unwrap();
+                    if !runs.iter().any(|r| r.spec == mm.spec) {
+                        runs.push(mm);
+                    }
+                }
                 for mm in &runs {
                     let y = gpu.storage("y", (n * 4) as u64);
                     let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
@@ -655,12 +657,22 @@ fn norm_matmul_formats() {
                         want_cat.extend(part);
                     }
                     let mm = ks.norm_matmul_cat(&ws, nt).unwrap().expect("one dispatch for single-chunk weights of one format");
-                    let y = gpu.storage("y", (ncat * 4) as u64);
-                    let d = MatMulDims::cat(&ws).with_norm(scale, 1e-6);
-                    let params = gpu.uniform("p", &mm.params(&d));
-                    let bg = mm.bind_group_cat(&gpu.device, &params, &xb, &y, nwb.as_ref(), &ws);
-                    run(gpu, |pass| mm.dispatch(pass, &bg, &d));
-                    check(&format!("norm_matmul cat{} {} {scale:?} [{label}] K={k}", ws.len(), fmt.describe()), &gpu.read_f32(&y, ncat).unwrap(), &want_cat);
+                    // these few rows take 2 per workgroup; more rows in all would take 4
+                    let KernelSpec::GemvCat { fmt: f, wg, rows, xvec, norm, n: nc, half } = mm.spec else { panic!("not a q/k/v GEMV") };
+                    let four = ks.matmul_spec(KernelSpec::GemvCat { fmt: f, wg, rows: 4, xvec, norm, n: nc, half }).unwrap();
+                    let runs = if rows != 4 { vec![mm, four] } else { vec![mm] };
+                    for mm in &runs {
+                        let y = gpu.storage("y", (ncat * 4) as u64);
+                        let d = MatMulDims::cat(&ws).with_norm(scale, 1e-6);
+                        let params = gpu.uniform("p", &mm.params(&d));
+                        let bg = mm.bind_group_cat(&gpu.device, &params, &xb, &y, nwb.as_ref(), &ws);
+                        run(gpu, |pass| mm.dispatch(pass, &bg, &d));
+                        check(
+                            &format!("norm_matmul cat{} {} {scale:?} [{label}] K={k} {}", ws.len(), fmt.describe(), mm.kernel.name),
+                            &gpu.read_f32(&y, ncat).unwrap(),
+                            &want_cat,
+                        );
+                    }
                 }
             }
         }
