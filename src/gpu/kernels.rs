@@ -763,35 +763,26 @@ impl Kernels {
     /// A matmul `y[T, N] = x[T, K] @ W^T` (or GatherMatMul when `gather`) for `t` tokens
     /// (`gather`: `t` = T*S pairs): the GEMV for `t < GEMM_MIN_T` or gathered, else the GEMM.
     pub fn matmul(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
-        self.matmul_with(fmt, k, t, gather, None)
+        self.matmul_spec(self.matmul_spec_for(fmt, k, t, gather, None, None)?)
     }
 
     /// [`Kernels::matmul`] for a weight of `n` rows: a one-token GEMV over few, long rows takes
     /// half the rows per workgroup (see [`GEMV_FEW_GROUPS`]).
     pub fn matmul_rows(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
-        let m = self.matmul_with(fmt, k, t, gather, None)?;
-        match m.spec {
-            KernelSpec::Gemv { fmt, wg, rows: 8, tt: 1, gather: false, xvec, bp2, norm, dual, half }
-                if env_u32("MARKBASE_GEMV_ROWS").is_none() && few_long_rows(n, k) =>
-            {
-                self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows: 4, tt: 1, gather: false, xvec, bp2, norm, dual, half })
-            }
-            _ => Ok(m),
-        }
+        self.matmul_spec(self.matmul_spec_for(fmt, k, t, gather, None, Some(n))?)
     }
 
     /// `rms_norm(x) @ W^T` for one token (`Op::NormMatMul`): the GEMV with the norm
     /// in front; `norm`: the norm weight's dtype (`None`: no weight).
     pub fn norm_matmul(&self, fmt: GpuFormat, k: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
-        self.matmul_with(fmt, k, 1, false, Some(norm))
+        self.matmul_spec(self.matmul_spec_for(fmt, k, 1, false, Some(norm), None)?)
     }
 
     /// `gelu(rms_norm(x) @ Wg^T) * (rms_norm(x) @ Wu^T)` for one token (`Op::NormGeGlu`)
     /// over weights of `n` rows: the dual GEMV, half the rows per workgroup of each weight, or
     /// as many as a plain GEMV from [`GEMV_DUAL_WIDE_N`] rows on.
     pub fn norm_geglu(&self, fmt: GpuFormat, k: usize, n: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
-        let m = self.matmul_with(fmt, k, 1, false, Some(norm))?;
-        let KernelSpec::Gemv { fmt, rows, tt, gather, xvec, norm, .. } = m.spec else {
+        let KernelSpec::Gemv { fmt, rows, tt, gather, xvec, norm, .. } = self.matmul_spec_for(fmt, k, 1, false, Some(norm), None)? else {
             return Err(GpuError::Kernel { name: "norm_geglu".into(), msg: "not a GEMV".into() });
         };
         let wide = n >= GEMV_DUAL_WIDE_N && rows >= 8;
@@ -817,8 +808,7 @@ impl Kernels {
         if !(2..=3).contains(&ws.len()) || !alike || w0.format.has_global() {
             return Ok(None);
         }
-        let m = self.matmul_with(w0.format, w0.k, 1, false, Some(norm))?;
-        let KernelSpec::Gemv { fmt, wg, rows, xvec, half, .. } = m.spec else {
+        let KernelSpec::Gemv { fmt, wg, rows, xvec, half, .. } = self.matmul_spec_for(w0.format, w0.k, 1, false, Some(norm), None)? else {
             return Ok(None);
         };
         // half the rows of a plain GEMV per workgroup (like the dual GEMV): each row group is
@@ -831,7 +821,9 @@ impl Kernels {
         Ok(Some(self.matmul_spec(KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n: ws.len() as u32, half })?))
     }
 
-    fn matmul_with(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>) -> Result<MatMulKernel, GpuError> {
+    /// The GEMV or GEMM spec of a matmul (not built); `n`: the weight's rows where they may
+    /// pick the rows per workgroup.
+    fn matmul_spec_for(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>, n: Option<usize>) -> Result<KernelSpec, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
         if norm.is_some() && (t != 1 || gather) {
             return Err(GpuError::Kernel { name: "norm_matmul".into(), msg: format!("a fused norm needs one token, not {t}") });
@@ -842,9 +834,17 @@ impl Kernels {
             let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
             // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two, in gemv_wg)
             // 8 rows per workgroup measured best for affine and float weights on the H200;
-            // the fp4/fp8 decoders (per-element selects) run out of registers there: 2
+            // the fp4/fp8 decoders (per-element selects) run out of registers there: 2; few,
+            // long rows of one token: 4
             let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
-            let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else if tt == 1 { 8 } else { 4 });
+            let few = tt == 1 && !gather && n.is_some_and(|n| few_long_rows(n, k));
+            let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy {
+                2
+            } else if tt == 1 && !few {
+                8
+            } else {
+                4
+            });
             let bp2 = tt == 1 && env_u32("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
             let half = self.opts.half_blocks && gemv_half(fmt, tt, xvec, bp2, false);
             let wg = self.gemv_wg(k, tt, half, bp2);
@@ -852,7 +852,7 @@ impl Kernels {
         } else {
             KernelSpec::Gemm { fmt }
         };
-        self.matmul_spec(spec)
+        Ok(spec)
     }
 
     /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
