@@ -184,7 +184,7 @@ fn random_weight(r: &mut StdRng, fmt: GpuFormat, shape: &[usize]) -> WeightData 
 fn chunk_limit(fmt: GpuFormat, shape: &[usize], n: usize) -> u64 {
     let k = *shape.last().unwrap();
     let (a, b, c) = fmt.row_bytes(k);
-    let per_row = a.max(b).max(c);
+    let per_row = a.max(b + c);
     let unit = if shape.len() == 3 { shape[1] } else { 1 };
     let units: usize = shape[..shape.len() - 1].iter().product::<usize>() / unit;
     (per_row * unit * units.div_ceil(n)) as u64

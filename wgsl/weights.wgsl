@@ -9,9 +9,9 @@
 // as vec4<u32>: W_VEC4, or as vec2<u32>: W_VEC2, the GEMV's half blocks): W_FAST4 / W_FAST8
 // (4/8-bit codes), W_FASTBF16, W_FASTF32.
 //
-// Bindings: 8 packed weights (u32 words, or f32/bf16/f16 values), 9 scales
-// (affine: SDT values; mx/nv: u8 bytes, four per word), 10 biases (affine),
-// 11 nvfp4 global scale per expert (f32).
+// Bindings: 8 packed weights (u32 words, or f32/bf16/f16 values), 9 scales (affine: each
+// group's scale and bias side by side, one word of two 16-bit values or two f32 words, so that
+// one load brings both; mx/nv: u8 bytes, four per word), 11 nvfp4 global scale per expert (f32).
 
 //#if W_VEC2
 @group(0) @binding(8) var<storage, read> wq: array<vec2<u32>>;
@@ -22,9 +22,6 @@
 //#endif
 //#if W_QUANT
 @group(0) @binding(9) var<storage, read> wsc: array<u32>;
-//#endif
-//#if W_AFFINE
-@group(0) @binding(10) var<storage, read> wbi: array<u32>;
 //#endif
 //#if W_GLOBAL
 @group(0) @binding(11) var<storage, read> wgs: array<f32>;
@@ -137,9 +134,9 @@ fn code_vals(c: vec4<u32>) -> vec4<f32> {
 fn w_scale(g: u32) -> f32 {
 //#if W_AFFINE
     if SDT == 2u {
-        return bitcast<f32>(wsc[g]);
+        return bitcast<f32>(wsc[2u * g]);
     }
-    return f16x2_pick(wsc[g >> 1u], g, SDT);
+    return f16x2_pick(wsc[g], 0u, SDT);
 //#elif W_QUANT
     let byte = (wsc[g >> 2u] >> ((g & 3u) * 8u)) & 0xffu;
     if WFMT == 3u {
@@ -155,9 +152,9 @@ fn w_scale(g: u32) -> f32 {
 fn w_bias(g: u32) -> f32 {
 //#if W_AFFINE
     if SDT == 2u {
-        return bitcast<f32>(wbi[g]);
+        return bitcast<f32>(wsc[2u * g + 1u]);
     }
-    return f16x2_pick(wbi[g >> 1u], g, SDT);
+    return f16x2_pick(wsc[g], 1u, SDT);
 //#else
     return 0.0;
 //#endif

@@ -122,8 +122,8 @@ fn weights_third() -> &'static str {
 /// weights.wgsl with its bindings moved by `shift` and its names suffixed, structs left out.
 fn weights_renamed(suffix: &str, shift: u32) -> String {
     {
-        const NAMES: [&str; 21] = [
-            "wq", "wq4", "wsc", "wbi", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
+        const NAMES: [&str; 20] = [
+            "wq", "wq4", "wsc", "wgs", "wword", "e2m1v", "e4m3v", "u2f", "code_vals", "w_scale", "w_bias", "w_global", "wf_at",
             "oct_codes", "blk_codes", "wf4", "bf16x4", "dq_blk", "dq_oct", "dq_half",
         ];
         let mut out = String::new();
@@ -1086,7 +1086,8 @@ impl MatMulDims {
 
 /// Matmul launcher. Bindings: 0 params, 1 x (f32), 2 y (f32, written), 3 routing (gathered
 /// GEMV: the ids, u32 `[T*S]`; grouped GEMM: the `Op::MoeGroup` value), 4 norm weight (fused
-/// norm with a weight), 8 packed weights, 9 scales, 10 biases, 11 global scale (as the format has them).
+/// norm with a weight), 8 packed weights, 9 scales (affine: scale and bias pairs), 11 global scale (as
+/// the format has them).
 pub struct MatMulKernel {
     pub kernel: Arc<Kernel>,
     pub spec: KernelSpec,

@@ -1,10 +1,10 @@
 //! GPU weight layout and upload.
 //!
-//! Every tensor is uploaded with its stored bytes unchanged (zero-padded to 4 bytes):
-//! packed u32 words `[rows, K*bits/32]`; affine scales/biases in their stored dtype
-//! (bf16 or f16 pairs packed in u32 words, or f32); mx/nv u8 scales four per word;
-//! the nvfp4 `global_scale` as f32; float weights as bf16/f16 pairs or f32. The
-//! kernels decode all of these (weights.wgsl).
+//! Tensors are uploaded with their stored bytes (zero-padded to 4 bytes): packed u32 words
+//! `[rows, K*bits/32]`; mx/nv u8 scales four per word; the nvfp4 `global_scale` as f32; float
+//! weights as bf16/f16 pairs or f32. Affine scales and biases are interleaved, in their stored
+//! dtype: group g's scale then its bias (one u32 word for bf16/f16, two for f32), so that a
+//! kernel brings both in one load. The kernels decode all of these (weights.wgsl).
 //!
 //! A tensor whose parts exceed the binding limit is split into row chunks (expert
 //! stacks: whole experts), each chunk its own buffers starting at its first row.
@@ -133,8 +133,8 @@ pub struct WeightChunk {
     pub row_start: usize,
     pub rows: usize,
     pub w: wgpu::Buffer,
+    /// Scales (affine: each group's scale and bias side by side).
     pub scales: Option<wgpu::Buffer>,
-    pub biases: Option<wgpu::Buffer>,
 }
 
 /// A weight on the GPU.
@@ -156,15 +156,12 @@ pub struct GpuWeight {
 }
 
 impl GpuWeight {
-    /// The weight bindings (8 packed, 9 scales, 10 biases, 11 global) of chunk `c`.
+    /// The weight bindings (8 packed, 9 scales, 11 global) of chunk `c`.
     pub fn bindings(&self, c: usize) -> Vec<(u32, wgpu::BindingResource<'_>)> {
         let ch = &self.chunks[c];
         let mut v = vec![(8, ch.w.as_entire_binding())];
         if let Some(s) = &ch.scales {
             v.push((9, s.as_entire_binding()));
-        }
-        if let Some(b) = &ch.biases {
-            v.push((10, b.as_entire_binding()));
         }
         if let Some(g) = &self.global {
             v.push((11, g.as_entire_binding()));
@@ -180,6 +177,16 @@ impl GpuWeight {
 
 fn slice_bytes(t: &RawTensor, row_bytes: usize, r0: usize, r1: usize) -> &[u8] {
     &t.bytes[r0 * row_bytes..r1 * row_bytes]
+}
+
+/// Scales and biases of equal length, interleaved entry by entry (`size` bytes each).
+fn interleave(scales: &[u8], biases: &[u8], size: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(scales.len() + biases.len());
+    for (s, b) in scales.chunks_exact(size).zip(biases.chunks_exact(size)) {
+        out.extend_from_slice(s);
+        out.extend_from_slice(b);
+    }
+    out
 }
 
 /// Uploads a weight, split into chunks whose buffers each stay within
@@ -209,7 +216,7 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
         check(w.biases.as_ref().ok_or_else(|| err("missing biases".into()))?, bb, "biases")?;
     }
     let limit = max_chunk_bytes.unwrap_or_else(|| gpu.max_binding_bytes());
-    let per_row = wb.max(sb).max(bb).max(1);
+    let per_row = wb.max(sb + bb).max(1);
     let unit = if shape.len() == 3 { rows_per_expert } else { 1 };
     let units_per_chunk = (limit as usize / (per_row * unit)).min(rows / unit);
     if units_per_chunk == 0 {
@@ -222,17 +229,16 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
         let r1 = (r0 + chunk_rows).min(rows);
         let label = format!("{name}[{r0}..{r1}]");
         let wbuf = gpu.upload(&label, slice_bytes(&w.weight, wb, r0, r1));
-        let scales = if format.is_quantized() {
+        let scales = if format.has_biases() {
+            let s = slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1);
+            let b = slice_bytes(w.biases.as_ref().unwrap(), bb, r0, r1);
+            Some(gpu.upload(&format!("{label}.scales+biases"), &interleave(s, b, format.scale_bytes())))
+        } else if format.is_quantized() {
             Some(gpu.upload(&format!("{label}.scales"), slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1)))
         } else {
             None
         };
-        let biases = if format.has_biases() {
-            Some(gpu.upload(&format!("{label}.biases"), slice_bytes(w.biases.as_ref().unwrap(), bb, r0, r1)))
-        } else {
-            None
-        };
-        chunks.push(WeightChunk { row_start: r0, rows: r1 - r0, w: wbuf, scales, biases });
+        chunks.push(WeightChunk { row_start: r0, rows: r1 - r0, w: wbuf, scales });
         r0 = r1;
     }
     let global = if format.has_global() {
