@@ -8,12 +8,12 @@
 // Kernels: `stream` (the bytes alone: 4 x 16-byte loads per invocation), `gemv_half` (a
 // workgroup of WG owns R rows, invocation hb takes half block hb: 16 elements, one 8-byte load
 // per row), `gemv_warp` (a subgroup per R rows, no workgroup reduction).
-// Switches of gemv_half: ABL (bits: 1 no nibble decode, 2 constant activations, 4 no scales or
-// biases, 8 no reduction; wrong results, the timing of the rest), SB (scale and bias of a group
-// in one word), ONEP (the decode's or-constant from a parameter: one and-or per nibble instead
-// of two), XCO (activations read coalesced, wrong results), SB2 (the R rows' scale/bias words
-// side by side: R / 4 16-byte loads), WT (the R rows' half blocks side by side: R / 2 16-byte
-// loads).
+// Switches, in the step both GEMV kernels share (bit 8 of ABL: gemv_half only): ABL (bits:
+// 1 no nibble decode, 2 constant activations, 4 no scales or biases, 8 no reduction; wrong
+// results, the timing of the rest), SB (scale and bias of a group in one word), ONEP (the
+// decode's or-constant from a parameter: one and-or per nibble instead of two), XCO
+// (activations read coalesced, wrong results), SB2 (the R rows' scale/bias words side by side:
+// R / 4 16-byte loads), WT (the R rows' half blocks side by side: R / 2 16-byte loads).
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
@@ -71,6 +71,75 @@ __device__ __forceinline__ float dot16(uint2 w, float4 a, float4 b, float4 c, fl
     return (s.x + s.y) + (s.z + s.w);
 }
 
+// One step of an invocation: half block hb of rows r0 .. r0 + R - 1, added to acc.
+__device__ __forceinline__ void half_step(float* acc, int hb, int r0, const uint2* __restrict__ wq,
+                                          const uint16_t* __restrict__ sc, const uint16_t* __restrict__ bi,
+                                          const float4* __restrict__ x, int N, int K, uint32_t onep) {
+    int nb = K / 32;
+    int blk = hb >> 1, h = hb & 1;
+    int xb = blk * 8 + 4 * h;
+#if ABL & 2
+    float4 a = make_float4(hb, hb + 1, hb + 2, hb + 3), b = a, c = a, d = a;
+#else
+#if XCO
+    int xc = (hb & ~31) * 4 + (hb & 31);
+    float4 a = x[xc], b = x[xc + 32], c = x[xc + 64], d = x[xc + 96];
+#else
+    float4 a = x[xb], b = x[xb + 1], c = x[xb + 2], d = x[xb + 3];
+#endif
+#endif
+    float xs = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)) + ((c.x + c.y) + (c.z + c.w)) + ((d.x + d.y) + (d.z + d.w));
+#if SB2
+    // scale/bias pairs tiled [N/8][K/64][8]: the R rows' pairs of this group in R/4 16-byte loads
+    uint32_t sbt[R];
+    {
+        const uint4* t = (const uint4*)sc + ((size_t)(r0 / 8) * (K / 64) + blk / 2) * 2;
+#pragma unroll
+        for (int q = 0; q < R / 4; q++) { uint4 v = t[q]; sbt[4 * q] = v.x; sbt[4 * q + 1] = v.y; sbt[4 * q + 2] = v.z; sbt[4 * q + 3] = v.w; }
+    }
+#endif
+#if WT
+    // weights tiled [N/8][2*nb][8 rows][8 bytes]: the R rows' half blocks in R/2 16-byte loads
+    uint2 wt[R];
+    {
+        const uint4* t = (const uint4*)wq + ((size_t)(r0 / 8) * (2 * nb) + hb) * 4;
+#pragma unroll
+        for (int q = 0; q < R / 2; q++) { uint4 v = t[q]; wt[2 * q] = make_uint2(v.x, v.y); wt[2 * q + 1] = make_uint2(v.z, v.w); }
+    }
+#endif
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int row = min(r0 + r, N - 1);
+#if WT
+        uint2 w = wt[r];
+#else
+        uint2 w = wq[(row * nb + blk) * 2 + h];
+#endif
+        int g = row * (K / 64) + blk / 2;
+#if ABL & 4
+        float s = 1.0f, bb = 0.5f;
+#elif SB2
+        uint32_t sbv = sbt[r];
+        float s = __uint_as_float(sbv << 16), bb = __uint_as_float(sbv & 0xffff0000u);
+#elif SB
+        uint32_t sbv = ((const uint32_t*)sc)[g];
+        float s = __uint_as_float(sbv << 16), bb = __uint_as_float(sbv & 0xffff0000u);
+#else
+        float s = bf(sc[g]), bb = bf(bi[g]);
+#endif
+#if ABL & 1
+        float dd = __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * b.y;
+#else
+#if ONEP
+        float dd = dot16(w, a, b, c, d, onep);
+#else
+        float dd = dot16(w, a, b, c, d);
+#endif
+#endif
+        acc[r] += 16.f * s * dd + (bb - 16.f * s) * xs;
+    }
+}
+
 // The WGSL kernel's shape: workgroup of WG owns R rows; invocation hb takes half block hb.
 __global__ void __launch_bounds__(WG) gemv_half(const uint2* __restrict__ wq, const uint16_t* __restrict__ sc,
                                                 const uint16_t* __restrict__ bi, const float4* __restrict__ x,
@@ -82,68 +151,7 @@ __global__ void __launch_bounds__(WG) gemv_half(const uint2* __restrict__ wq, co
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
     for (int hb = threadIdx.x; hb < 2 * nb; hb += WG) {
-        int blk = hb >> 1, h = hb & 1;
-        int xb = blk * 8 + 4 * h;
-#if ABL & 2
-        float4 a = make_float4(hb, hb + 1, hb + 2, hb + 3), b = a, c = a, d = a;
-#else
-#if XCO
-        int xc = (hb & ~31) * 4 + (hb & 31);
-        float4 a = x[xc], b = x[xc + 32], c = x[xc + 64], d = x[xc + 96];
-#else
-        float4 a = x[xb], b = x[xb + 1], c = x[xb + 2], d = x[xb + 3];
-#endif
-#endif
-        float xs = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)) + ((c.x + c.y) + (c.z + c.w)) + ((d.x + d.y) + (d.z + d.w));
-#if SB2
-        // scale/bias pairs tiled [N/8][K/64][8]: the R rows' pairs of this group in R/4 16-byte loads
-        uint32_t sbt[R];
-        {
-            const uint4* t = (const uint4*)sc + ((size_t)(r0 / 8) * (K / 64) + blk / 2) * 2;
-#pragma unroll
-            for (int q = 0; q < R / 4; q++) { uint4 v = t[q]; sbt[4 * q] = v.x; sbt[4 * q + 1] = v.y; sbt[4 * q + 2] = v.z; sbt[4 * q + 3] = v.w; }
-        }
-#endif
-#if WT
-        // weights tiled [N/8][2*nb][8 rows][8 bytes]: the R rows' half blocks in R/2 16-byte loads
-        uint2 wt[R];
-        {
-            const uint4* t = (const uint4*)wq + ((size_t)(r0 / 8) * (2 * nb) + hb) * 4;
-#pragma unroll
-            for (int q = 0; q < R / 2; q++) { uint4 v = t[q]; wt[2 * q] = make_uint2(v.x, v.y); wt[2 * q + 1] = make_uint2(v.z, v.w); }
-        }
-#endif
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            int row = min(r0 + r, N - 1);
-#if WT
-            uint2 w = wt[r];
-#else
-            uint2 w = wq[(row * nb + blk) * 2 + h];
-#endif
-            int g = row * (K / 64) + blk / 2;
-#if ABL & 4
-            float s = 1.0f, bb = 0.5f;
-#elif SB2
-            uint32_t sbv = sbt[r];
-            float s = __uint_as_float(sbv << 16), bb = __uint_as_float(sbv & 0xffff0000u);
-#elif SB
-            uint32_t sbv = ((const uint32_t*)sc)[g];
-            float s = __uint_as_float(sbv << 16), bb = __uint_as_float(sbv & 0xffff0000u);
-#else
-            float s = bf(sc[g]), bb = bf(bi[g]);
-#endif
-#if ABL & 1
-            float dd = __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * b.y;
-#else
-#if ONEP
-            float dd = dot16(w, a, b, c, d, onep);
-#else
-            float dd = dot16(w, a, b, c, d);
-#endif
-#endif
-            acc[r] += 16.f * s * dd + (bb - 16.f * s) * xs;
-        }
+        half_step(acc, hb, r0, wq, sc, bi, x, N, K, onep);
     }
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
 #if ABL & 8
@@ -179,40 +187,7 @@ __global__ void __launch_bounds__(WG) gemv_warp(const uint2* __restrict__ wq, co
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
     for (int hb = lane; hb < 2 * nb; hb += 32) {
-        int blk = hb >> 1, h = hb & 1;
-        int xb = blk * 8 + 4 * h;
-        float4 a = x[xb], b = x[xb + 1], c = x[xb + 2], d = x[xb + 3];
-        float xs = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)) + ((c.x + c.y) + (c.z + c.w)) + ((d.x + d.y) + (d.z + d.w));
-#if SB2
-        // scale/bias pairs tiled [N/8][K/64][8]: the R rows' pairs of this group in R/4 16-byte loads
-        uint32_t sbt[R];
-        {
-            const uint4* t = (const uint4*)sc + ((size_t)(r0 / 8) * (K / 64) + blk / 2) * 2;
-#pragma unroll
-            for (int q = 0; q < R / 4; q++) { uint4 v = t[q]; sbt[4 * q] = v.x; sbt[4 * q + 1] = v.y; sbt[4 * q + 2] = v.z; sbt[4 * q + 3] = v.w; }
-        }
-#endif
-#if WT
-        // weights tiled [N/8][2*nb][8 rows][8 bytes]: the R rows' half blocks in R/2 16-byte loads
-        uint2 wt[R];
-        {
-            const uint4* t = (const uint4*)wq + ((size_t)(r0 / 8) * (2 * nb) + hb) * 4;
-#pragma unroll
-            for (int q = 0; q < R / 2; q++) { uint4 v = t[q]; wt[2 * q] = make_uint2(v.x, v.y); wt[2 * q + 1] = make_uint2(v.z, v.w); }
-        }
-#endif
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            int row = min(r0 + r, N - 1);
-#if WT
-            uint2 w = wt[r];
-#else
-            uint2 w = wq[(row * nb + blk) * 2 + h];
-#endif
-            int g = row * (K / 64) + blk / 2;
-            float s = bf(sc[g]), bb = bf(bi[g]);
-            acc[r] += 16.f * s * dot16(w, a, b, c, d) + (bb - 16.f * s) * xs;
-        }
+        half_step(acc, hb, r0, wq, sc, bi, x, N, K, 0x3f800000u);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
