@@ -181,12 +181,26 @@ fn slice_bytes(t: &RawTensor, row_bytes: usize, r0: usize, r1: usize) -> &[u8] {
 
 /// Scales and biases of equal length, interleaved entry by entry (`size` bytes each).
 fn interleave(scales: &[u8], biases: &[u8], size: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(scales.len() + biases.len());
-    for (s, b) in scales.chunks_exact(size).zip(biases.chunks_exact(size)) {
-        out.extend_from_slice(s);
-        out.extend_from_slice(b);
+    fn pairs<const S: usize>(scales: &[u8], biases: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; scales.len() + biases.len()];
+        for ((o, s), b) in out.chunks_exact_mut(2 * S).zip(scales.chunks_exact(S)).zip(biases.chunks_exact(S)) {
+            o[..S].copy_from_slice(s);
+            o[S..].copy_from_slice(b);
+        }
+        out
     }
-    out
+    match size {
+        2 => pairs::<2>(scales, biases),
+        4 => pairs::<4>(scales, biases),
+        _ => {
+            let mut out = Vec::with_capacity(scales.len() + biases.len());
+            for (s, b) in scales.chunks_exact(size).zip(biases.chunks_exact(size)) {
+                out.extend_from_slice(s);
+                out.extend_from_slice(b);
+            }
+            out
+        }
+    }
 }
 
 /// Uploads a weight, split into chunks whose buffers each stay within
@@ -256,4 +270,18 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
 pub fn upload_vector(gpu: &Gpu, t: &RawTensor, label: &str) -> Result<(wgpu::Buffer, FloatType), GpuError> {
     let ft = float_type(t.dtype).ok_or_else(|| GpuError::Other(format!("{label}: {} is not a float tensor", t.dtype.name())))?;
     Ok((gpu.upload(label, &t.bytes), ft))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::interleave;
+
+    #[test]
+    fn scales_and_biases_interleave_by_entry() {
+        let s: Vec<u8> = (0..12).collect();
+        let b: Vec<u8> = (100..112).collect();
+        assert_eq!(interleave(&s, &b, 2), [0, 1, 100, 101, 2, 3, 102, 103, 4, 5, 104, 105, 6, 7, 106, 107, 8, 9, 108, 109, 10, 11, 110, 111]);
+        assert_eq!(interleave(&s, &b, 4), [0, 1, 2, 3, 100, 101, 102, 103, 4, 5, 6, 7, 104, 105, 106, 107, 8, 9, 10, 11, 108, 109, 110, 111]);
+        assert_eq!(interleave(&s, &b, 3), [0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 105, 6, 7, 8, 106, 107, 108, 9, 10, 11, 109, 110, 111]);
+    }
 }
