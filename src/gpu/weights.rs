@@ -179,8 +179,8 @@ fn slice_bytes(t: &RawTensor, row_bytes: usize, r0: usize, r1: usize) -> &[u8] {
     &t.bytes[r0 * row_bytes..r1 * row_bytes]
 }
 
-/// Scales and biases of equal length, interleaved entry by entry (`size` bytes each).
-fn interleave(scales: &[u8], biases: &[u8], size: usize) -> Vec<u8> {
+/// Scales and biases of equal length, stored as `dtype`, interleaved entry by entry.
+fn interleave(scales: &[u8], biases: &[u8], dtype: FloatType) -> Vec<u8> {
     fn pairs<const S: usize>(scales: &[u8], biases: &[u8]) -> Vec<u8> {
         let mut out = vec![0u8; scales.len() + biases.len()];
         for ((o, s), b) in out.chunks_exact_mut(2 * S).zip(scales.chunks_exact(S)).zip(biases.chunks_exact(S)) {
@@ -189,17 +189,9 @@ fn interleave(scales: &[u8], biases: &[u8], size: usize) -> Vec<u8> {
         }
         out
     }
-    match size {
-        2 => pairs::<2>(scales, biases),
-        4 => pairs::<4>(scales, biases),
-        _ => {
-            let mut out = Vec::with_capacity(scales.len() + biases.len());
-            for (s, b) in scales.chunks_exact(size).zip(biases.chunks_exact(size)) {
-                out.extend_from_slice(s);
-                out.extend_from_slice(b);
-            }
-            out
-        }
+    match dtype {
+        FloatType::Bf16 | FloatType::F16 => pairs::<2>(scales, biases),
+        FloatType::F32 => pairs::<4>(scales, biases),
     }
 }
 
@@ -243,14 +235,14 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
         let r1 = (r0 + chunk_rows).min(rows);
         let label = format!("{name}[{r0}..{r1}]");
         let wbuf = gpu.upload(&label, slice_bytes(&w.weight, wb, r0, r1));
-        let scales = if format.has_biases() {
-            let s = slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1);
-            let b = slice_bytes(w.biases.as_ref().unwrap(), bb, r0, r1);
-            Some(gpu.upload(&format!("{label}.scales+biases"), &interleave(s, b, format.scale_bytes())))
-        } else if format.is_quantized() {
-            Some(gpu.upload(&format!("{label}.scales"), slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1)))
-        } else {
-            None
+        let scales = match format {
+            GpuFormat::Affine { scale, .. } => {
+                let s = slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1);
+                let b = slice_bytes(w.biases.as_ref().unwrap(), bb, r0, r1);
+                Some(gpu.upload(&format!("{label}.scales+biases"), &interleave(s, b, scale)))
+            }
+            GpuFormat::Float(_) => None,
+            _ => Some(gpu.upload(&format!("{label}.scales"), slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1))),
         };
         chunks.push(WeightChunk { row_start: r0, rows: r1 - r0, w: wbuf, scales });
         r0 = r1;
@@ -274,14 +266,13 @@ pub fn upload_vector(gpu: &Gpu, t: &RawTensor, label: &str) -> Result<(wgpu::Buf
 
 #[cfg(test)]
 mod tests {
-    use super::interleave;
+    use super::{interleave, FloatType};
 
     #[test]
     fn scales_and_biases_interleave_by_entry() {
         let s: Vec<u8> = (0..12).collect();
         let b: Vec<u8> = (100..112).collect();
-        assert_eq!(interleave(&s, &b, 2), [0, 1, 100, 101, 2, 3, 102, 103, 4, 5, 104, 105, 6, 7, 106, 107, 8, 9, 108, 109, 10, 11, 110, 111]);
-        assert_eq!(interleave(&s, &b, 4), [0, 1, 2, 3, 100, 101, 102, 103, 4, 5, 6, 7, 104, 105, 106, 107, 8, 9, 10, 11, 108, 109, 110, 111]);
-        assert_eq!(interleave(&s, &b, 3), [0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 105, 6, 7, 8, 106, 107, 108, 9, 10, 11, 109, 110, 111]);
+        assert_eq!(interleave(&s, &b, FloatType::Bf16), [0, 1, 100, 101, 2, 3, 102, 103, 4, 5, 104, 105, 6, 7, 106, 107, 8, 9, 108, 109, 10, 11, 110, 111]);
+        assert_eq!(interleave(&s, &b, FloatType::F32), [0, 1, 2, 3, 100, 101, 102, 103, 4, 5, 6, 7, 104, 105, 106, 107, 8, 9, 10, 11, 108, 109, 110, 111]);
     }
 }
