@@ -231,6 +231,13 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
                     kernels.push((format!("{label} whole blocks"), ks.matmul_spec(whole).unwrap()));
                 }
             }
+            // the GEMM with both tile widths, and with scalar activation loads where it takes vec4s
+            if let KernelSpec::Gemm { fmt, wide, xvec } = mm.spec {
+                kernels.push((format!("{label} wide={}", !wide), ks.matmul_spec(KernelSpec::Gemm { fmt, wide: !wide, xvec }).unwrap()));
+                if xvec {
+                    kernels.push((format!("{label} scalar x"), ks.matmul_spec(KernelSpec::Gemm { fmt, wide, xvec: false }).unwrap()));
+                }
+            }
             kernels.push((label.to_string(), mm));
         }
         for (label, mm) in &kernels {

@@ -1,9 +1,13 @@
 // Tiled GEMM for prefill: y[t, row_start + r] = sum_k x[t, k] * W[r, k].
 //
-// A workgroup of 256 computes a 64-token x 64-row tile; each invocation a 4x4
-// micro-tile. Per K step of 32 the weight tile is decoded (one octet per
-// invocation) and the activation tile loaded into workgroup memory (f32).
-// No subgroup operations: one path for every adapter.
+// A workgroup of 256 computes a 64-token x BN-row tile (BN = 64, or 128 with WIDE); each
+// invocation 4 tokens x BN / 16 rows: rows 4j..4j+3 of each 64-row half, so that a subgroup's
+// reads of the weight tile are consecutive vec4s. K advances 16 at a time through two
+// workgroup-memory buffers: while the invocations multiply one step's tiles, the next step's
+// weight words (oct_raw) and activations are already in flight; they are decoded and stored
+// into the other buffer after the products, and one barrier per step separates the two.
+// Loaders map consecutive invocations to consecutive rows / tokens, so their stores into
+// workgroup memory hit distinct banks. No subgroup operations: one path for every adapter.
 //
 // Flag GROUPED (Op::GroupedMatMul): the tokens are the T = P (token, expert) pairs,
 // grouped by expert in `grp` (Op::MoeGroup's layout: E + 1 offsets, then pair indices).
@@ -12,6 +16,7 @@
 // tile) of its slot by walking the chunk's experts; slots past the last tile exit.
 // Pair `q` reads x row q (x_bcast: q / S) and writes y row q.
 //
+// Flags: GROUPED, WIDE (BN = 128), XVEC (K % 4 == 0: x read in vec4s).
 // Same Params and bindings as gemv.wgsl (a bind group serves both):
 // 0 params, 1 x, 2 y, 3 grp (GROUPED), 8.. weights.
 
@@ -31,19 +36,28 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
+//#if XVEC
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+//#else
 @group(0) @binding(1) var<storage, read> x: array<f32>;
+//#endif
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 //#if GROUPED
 @group(0) @binding(3) var<storage, read> grp: array<u32>;
 //#endif
 
 const BT: u32 = 64u;   // tokens per tile
-const BN: u32 = 64u;   // rows per tile
-const BK: u32 = 32u;   // K per step
+const BK: u32 = 16u;   // K per step
+//#if WIDE
+const BN: u32 = 128u;  // rows per tile
+//#else
+const BN: u32 = 64u;
+//#endif
+const XS: u32 = BK * BT / 4u;  // vec4s of one activation buffer: [k][token / 4]
+const WS: u32 = BK * BN / 4u;  // vec4s of one weight buffer: [k][row / 4]
 
-// [k][token / 4] and [k][row / 4]
-var<workgroup> xs: array<vec4<f32>, 512>;
-var<workgroup> ws: array<vec4<f32>, 512>;
+var<workgroup> xs: array<vec4<f32>, 2u * XS>;
+var<workgroup> ws: array<vec4<f32>, 2u * WS>;
 //#if GROUPED
 // The slot's tile: (expert, first position, end position, 1), or all 0 past the last tile.
 var<workgroup> tile_sel: vec4<u32>;
@@ -70,6 +84,37 @@ fn pair_at(o: u32) -> u32 {
 }
 //#endif
 
+// Elements 4q..4q+3 of K step k0 of x row xr (zeros past K or for an invalid row).
+fn load_x4(xr: u32, k0: u32, q: u32, K: u32, ok: bool) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    let k = k0 + 4u * q;
+    if ok && k < K {
+//#if XVEC
+        v = x[(xr * K + k) >> 2u];
+//#else
+        for (var j = 0u; j < 4u; j++) {
+            if k + j < K {
+                v[j] = x[xr * K + k + j];
+            }
+        }
+//#endif
+    }
+    return v;
+}
+
+// Rows row0..row0+3 of tokens yr (acc i: token i's four rows), times the global scale.
+fn store_rows(yr: vec4<u32>, yvalid: vec4<bool>, row0: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>, gsc: f32) {
+    var acc = array<vec4<f32>, 4>(a0, a1, a2, a3);
+    for (var i = 0u; i < 4u; i++) {
+        for (var j = 0u; j < 4u; j++) {
+            let row = row0 + j;
+            if yvalid[i] && row < p.rows {
+                y[yr[i] * p.ldy + p.row_start + row] = acc[i][j] * gsc;
+            }
+        }
+    }
+}
+
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -77,16 +122,23 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let K = p.K;
-    let tm = lid / 16u;   // tokens tm*4 .. tm*4+3
-    let tn = lid % 16u;   // rows tn*4 .. tn*4+3
-    let lr = lid / 4u;    // loader: row / token of the tile
-    let lo = lid % 4u;    // loader: octet within the K step
+    let tm = lid / 16u;   // tokens 4tm .. 4tm+3
+    let tn = lid % 16u;   // rows 4tn .. 4tn+3 (and 64 + 4tn .. with WIDE)
+    // activation loader: token lt of the tile, elements 4lq..4lq+3 of the step
+    let lt = lid % 64u;
+    let lq = lid / 64u;
+    // weight loader: row lr + 64lh of the tile (lh = 1 only with WIDE), octet lo of the step;
+    // consecutive invocations take consecutive rows, so their stores hit distinct banks
+    let lr = lid % 64u;
+    let lo = (lid / 64u) & 1u;
+    let lh = lid / 128u;
 //#if GROUPED
     let nslots = (p.T + BT - 1u) / BT + p.e_count;
 //#else
     let nslots = (p.T + BT - 1u) / BT;
 //#endif
     let nrt = (p.rows + BN - 1u) / BN;
+    let nsteps = (K + BK - 1u) / BK;
     for (var ty = wid.y; ty < nslots; ty += nwg.y) {
 //#if GROUPED
         workgroupBarrier();
@@ -101,10 +153,10 @@ fn main(
         let wbase = (e - p.e_start) * p.rows;
         let gsc = w_global(e);
         // x row of this loader's token, y rows of this invocation's 4 tokens
-        let lvalid = sel.y + lr < sel.z;
+        let lvalid = sel.y + lt < sel.z;
         var xr = 0u;
         if lvalid {
-            let q = pair_at(sel.y + lr);
+            let q = pair_at(sel.y + lt);
             xr = select(q, q / p.S, p.x_bcast != 0u);
         }
         var yr = vec4<u32>(0u);
@@ -120,55 +172,87 @@ fn main(
         let t0 = ty * BT;
         let wbase = 0u;
         let gsc = w_global(0u);
-        let lvalid = t0 + lr < p.T;
-        let xr = t0 + lr;
+        let lvalid = t0 + lt < p.T;
+        let xr = t0 + lt;
         let yr = vec4<u32>(t0 + tm * 4u) + vec4<u32>(0u, 1u, 2u, 3u);
         let yvalid = yr < vec4<u32>(p.T);
 //#endif
         for (var rx = wid.x; rx < nrt; rx += nwg.x) {
             let r0 = rx * BN;
-            var acc: array<vec4<f32>, 4>;
-            for (var k0 = 0u; k0 < K; k0 += BK) {
-                // Weight tile: row r0 + lr, octet k0/8 + lo.
-                let row = r0 + lr;
-                var oc: Oct;
-                if row < p.rows {
-                    oc = dq_oct(wbase + row, k0 / 8u + lo, K);
-                }
-                let wi = lo * 8u * 16u + lr / 4u;
-                let wc = lr % 4u;
-                for (var i = 0u; i < 4u; i++) {
-                    ws[wi + i * 16u][wc] = oc.a[i];
-                    ws[wi + (4u + i) * 16u][wc] = oc.b[i];
-                }
-                // Activation tile: x row xr (the tile's token lr), elements k0 + lo*8 .. +8.
-                for (var i = 0u; i < 8u; i++) {
-                    let k = k0 + lo * 8u + i;
-                    var v = 0.0;
-                    if lvalid && k < K {
-                        v = x[xr * K + k];
+            let wr = r0 + lr + 64u * lh;
+//#if WIDE
+            let wst = true;
+//#else
+            let wst = lh == 0u;
+//#endif
+            let wload = wst && wr < p.rows;
+            // step 0's words
+            var rw = ROct(vec4<u32>(0u), vec4<u32>(0u));
+            if wload {
+                rw = oct_raw(wbase + wr, lo, K);
+            }
+            var rx4 = load_x4(xr, 0u, lq, K, lvalid);
+            var acc0 = vec4<f32>(0.0);
+            var acc1 = vec4<f32>(0.0);
+            var acc2 = vec4<f32>(0.0);
+            var acc3 = vec4<f32>(0.0);
+//#if WIDE
+            var acc4 = vec4<f32>(0.0);
+            var acc5 = vec4<f32>(0.0);
+            var acc6 = vec4<f32>(0.0);
+            var acc7 = vec4<f32>(0.0);
+//#endif
+            // the previous tile's last reads of the buffers are done
+            workgroupBarrier();
+            for (var s = 0u; s < nsteps; s++) {
+                let cur = s & 1u;
+                // store step s (its words loaded during step s - 1's products)
+                {
+                    let xb = cur * XS;
+                    for (var j = 0u; j < 4u; j++) {
+                        xs[xb + (4u * lq + j) * (BT / 4u) + lt / 4u][lt % 4u] = rx4[j];
                     }
-                    xs[wi + i * 16u][wc] = v;
+                    if wst {
+                        let d = oct_dec(rw, wbase + wr, s * 2u + lo, K);
+                        let wb = cur * WS;
+                        let wc = (lr + 64u * lh) / 4u;
+                        let wj = lr % 4u;
+                        for (var j = 0u; j < 4u; j++) {
+                            ws[wb + (8u * lo + j) * (BN / 4u) + wc][wj] = d.a[j];
+                            ws[wb + (8u * lo + 4u + j) * (BN / 4u) + wc][wj] = d.b[j];
+                        }
+                    }
                 }
                 workgroupBarrier();
+                // issue step s + 1's loads, then multiply step s
+                if s + 1u < nsteps {
+                    if wload {
+                        rw = oct_raw(wbase + wr, (s + 1u) * 2u + lo, K);
+                    }
+                    rx4 = load_x4(xr, (s + 1u) * BK, lq, K, lvalid);
+                }
+                let xb = cur * XS;
+                let wb = cur * WS;
                 for (var kk = 0u; kk < BK; kk++) {
-                    let a = xs[kk * 16u + tm];
-                    let b = ws[kk * 16u + tn];
-                    acc[0] = fma(vec4<f32>(a.x), b, acc[0]);
-                    acc[1] = fma(vec4<f32>(a.y), b, acc[1]);
-                    acc[2] = fma(vec4<f32>(a.z), b, acc[2]);
-                    acc[3] = fma(vec4<f32>(a.w), b, acc[3]);
-                }
-                workgroupBarrier();
-            }
-            for (var i = 0u; i < 4u; i++) {
-                for (var j = 0u; j < 4u; j++) {
-                    let row = r0 + tn * 4u + j;
-                    if yvalid[i] && row < p.rows {
-                        y[yr[i] * p.ldy + p.row_start + row] = acc[i][j] * gsc;
-                    }
+                    let a = xs[xb + kk * (BT / 4u) + tm];
+                    let b0 = ws[wb + kk * (BN / 4u) + tn];
+                    acc0 = fma(vec4<f32>(a.x), b0, acc0);
+                    acc1 = fma(vec4<f32>(a.y), b0, acc1);
+                    acc2 = fma(vec4<f32>(a.z), b0, acc2);
+                    acc3 = fma(vec4<f32>(a.w), b0, acc3);
+//#if WIDE
+                    let b1 = ws[wb + kk * (BN / 4u) + 16u + tn];
+                    acc4 = fma(vec4<f32>(a.x), b1, acc4);
+                    acc5 = fma(vec4<f32>(a.y), b1, acc5);
+                    acc6 = fma(vec4<f32>(a.z), b1, acc6);
+                    acc7 = fma(vec4<f32>(a.w), b1, acc7);
+//#endif
                 }
             }
+            store_rows(yr, yvalid, r0 + tn * 4u, acc0, acc1, acc2, acc3, gsc);
+//#if WIDE
+            store_rows(yr, yvalid, r0 + 64u + tn * 4u, acc4, acc5, acc6, acc7, gsc);
+//#endif
         }
     }
 }

@@ -130,15 +130,30 @@ fn code_vals(c: vec4<u32>) -> vec4<f32> {
     return u2f(c);
 }
 
-// Group scale `g` (index into the chunk's scale array).
-fn w_scale(g: u32) -> f32 {
+// The stored words of group `g`'s scale: affine (scale/bias word, f32 bias word), mx/nv (the
+// word holding its byte); read once, decoded by scale_of / bias_of.
+fn sc_words(g: u32) -> vec2<u32> {
 //#if W_AFFINE
     if SDT == 2u {
-        return bitcast<f32>(wsc[2u * g]);
+        return vec2<u32>(wsc[2u * g], wsc[2u * g + 1u]);
     }
-    return f16x2_pick(wsc[g], 0u, SDT);
+    return vec2<u32>(wsc[g], 0u);
 //#elif W_QUANT
-    let byte = (wsc[g >> 2u] >> ((g & 3u) * 8u)) & 0xffu;
+    return vec2<u32>(wsc[g >> 2u], 0u);
+//#else
+    return vec2<u32>(0u);
+//#endif
+}
+
+// Group `g`'s scale from its words `v` (sc_words).
+fn scale_of(v: vec2<u32>, g: u32) -> f32 {
+//#if W_AFFINE
+    if SDT == 2u {
+        return bitcast<f32>(v.x);
+    }
+    return f16x2_pick(v.x, 0u, SDT);
+//#elif W_QUANT
+    let byte = (v.x >> ((g & 3u) * 8u)) & 0xffu;
     if WFMT == 3u {
         return e4m3v(vec4<u32>(byte)).x;
     }
@@ -149,15 +164,24 @@ fn w_scale(g: u32) -> f32 {
 //#endif
 }
 
-fn w_bias(g: u32) -> f32 {
+fn bias_of(v: vec2<u32>) -> f32 {
 //#if W_AFFINE
     if SDT == 2u {
-        return bitcast<f32>(wsc[2u * g + 1u]);
+        return bitcast<f32>(v.y);
     }
-    return f16x2_pick(wsc[g], 1u, SDT);
+    return f16x2_pick(v.x, 1u, SDT);
 //#else
     return 0.0;
 //#endif
+}
+
+// Group scale `g` (index into the chunk's scale array).
+fn w_scale(g: u32) -> f32 {
+    return scale_of(sc_words(g), g);
+}
+
+fn w_bias(g: u32) -> f32 {
+    return bias_of(sc_words(g));
 }
 
 // nvfp4 per-expert factor global_scale[e] / (6 * 448); 1 for every other format.
@@ -180,15 +204,34 @@ fn wf_at(e: u32) -> f32 {
 // Generic code extraction: the 8 codes of octet `o` (elements 8o..8o+7) of `row`.
 // Each octet lies in a window of at most two words of the LSB-first bit stream.
 fn oct_codes(row: u32, o: u32, K: u32) -> array<vec4<u32>, 2> {
+    let w = oct_window(row, o, K);
+    return oct_split(w.x, w.y, o);
+}
+
+// The window's words (the second 0 when the octet fits in the first).
+fn oct_window(row: u32, o: u32, K: u32) -> vec2<u32> {
     let rw = K * WBITS / 32u;
     let bit = o * 8u * WBITS;
     let w0 = row * rw + (bit >> 5u);
-    let sh = bit & 31u;
-    let lo = wword(w0);
     var hi = 0u;
-    if sh + 8u * WBITS > 32u {
+    if (bit & 31u) + 8u * WBITS > 32u {
         hi = wword(w0 + 1u);
     }
+    return vec2<u32>(wword(w0), hi);
+}
+
+// Octet `o`'s codes from its window (lo, hi).
+fn oct_split(lo: u32, hi: u32, o: u32) -> array<vec4<u32>, 2> {
+    // 4 and 8 bits: word-aligned octets
+    if WBITS == 4u {
+        let m = vec4<u32>(15u);
+        return array<vec4<u32>, 2>((vec4<u32>(lo) >> vec4<u32>(0u, 4u, 8u, 12u)) & m, (vec4<u32>(lo) >> vec4<u32>(16u, 20u, 24u, 28u)) & m);
+    }
+    if WBITS == 8u {
+        let sh8 = vec4<u32>(0u, 8u, 16u, 24u);
+        return array<vec4<u32>, 2>((vec4<u32>(lo) >> sh8) & vec4<u32>(255u), (vec4<u32>(hi) >> sh8) & vec4<u32>(255u));
+    }
+    let sh = (o * 8u * WBITS) & 31u;
     let mask = (1u << WBITS) - 1u;
     var q: array<u32, 8>;
     for (var i = 0u; i < 8u; i++) {
@@ -396,30 +439,65 @@ fn dq_half(row: u32, blk: u32, h: u32, K: u32) -> HBlk {
 }
 //#endif
 
-// Octet `o` of `row`, fully decoded (zeros at or past K).
-fn dq_oct(row: u32, o: u32, K: u32) -> Oct {
-    var r: Oct;
-    r.a = vec4<f32>(0.0);
-    r.b = vec4<f32>(0.0);
+// An octet's stored words, loaded by oct_raw and decoded by oct_dec: a caller can issue the
+// loads early and decode when the values are needed. Float weights: the word of each of the
+// eight elements (a: 0..3, b: 4..7); quantized: a = (window lo, window hi, scale words).
+struct ROct {
+    a: vec4<u32>,
+    b: vec4<u32>,
+}
+
+// The words of octet `o` of `row` (zeros at or past K).
+fn oct_raw(row: u32, o: u32, K: u32) -> ROct {
+    var r: ROct;
+    r.a = vec4<u32>(0u);
+    r.b = vec4<u32>(0u);
 //#if W_FLOAT
     let e0 = row * K + o * 8u;
     for (var j = 0u; j < 4u; j++) {
         if o * 8u + j < K {
-            r.a[j] = wf_at(e0 + j);
+            r.a[j] = wword(select((e0 + j) >> 1u, e0 + j, FDT == 2u));
         }
         if o * 8u + 4u + j < K {
-            r.b[j] = wf_at(e0 + 4u + j);
+            r.b[j] = wword(select((e0 + 4u + j) >> 1u, e0 + 4u + j, FDT == 2u));
         }
     }
 //#else
     if o * 8u < K {
-        let c = oct_codes(row, o, K);
-        let g = row * (K / WGROUP) + o * 8u / WGROUP;
-        let s = w_scale(g);
-        let b = w_bias(g);
-        r.a = code_vals(c[0]) * s + b;
-        r.b = code_vals(c[1]) * s + b;
+        let w = oct_window(row, o, K);
+        let sc = sc_words(row * (K / WGROUP) + o * 8u / WGROUP);
+        r.a = vec4<u32>(w, sc);
     }
 //#endif
     return r;
+}
+
+// Octet `o` of `row` decoded from its words `r` (oct_raw).
+fn oct_dec(r: ROct, row: u32, o: u32, K: u32) -> Oct {
+    var d: Oct;
+//#if W_FLOAT
+    let e0 = row * K + o * 8u;
+    for (var j = 0u; j < 4u; j++) {
+        if FDT == 2u {
+            d.a[j] = bitcast<f32>(r.a[j]);
+            d.b[j] = bitcast<f32>(r.b[j]);
+        } else {
+            d.a[j] = f16x2_pick(r.a[j], e0 + j, FDT);
+            d.b[j] = f16x2_pick(r.b[j], e0 + 4u + j, FDT);
+        }
+    }
+//#else
+    let c = oct_split(r.a.x, r.a.y, o);
+    let g = row * (K / WGROUP) + o * 8u / WGROUP;
+    let s = scale_of(r.a.zw, g);
+    let b = bias_of(r.a.zw);
+    d.a = code_vals(c[0]) * s + b;
+    d.b = code_vals(c[1]) * s + b;
+//#endif
+    return d;
+}
+
+// Octet `o` of `row`, fully decoded (zeros at or past K).
+fn dq_oct(row: u32, o: u32, K: u32) -> Oct {
+    return oct_dec(oct_raw(row, o, K), row, o, K);
 }
