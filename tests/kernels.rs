@@ -231,28 +231,54 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
                     kernels.push((format!("{label} whole blocks"), ks.matmul_spec(whole).unwrap()));
                 }
             }
-            // the GEMM with both tile widths, and with scalar activation loads where it takes vec4s
-            if let KernelSpec::Gemm { fmt, wide, xvec } = mm.spec {
-                kernels.push((format!("{label} wide={}", !wide), ks.matmul_spec(KernelSpec::Gemm { fmt, wide: !wide, xvec }).unwrap()));
+            // the GEMM with both tile widths, split over K, and with scalar activation loads where
+            // it takes vec4s
+            if let KernelSpec::Gemm { fmt, wide, split, xvec } = mm.spec {
+                let spec = |wide, split, xvec| ks.matmul_spec(KernelSpec::Gemm { fmt, wide, split, xvec }).unwrap();
+                kernels.push((format!("{label} wide={}", !wide), spec(!wide, false, xvec)));
+                if !split {
+                    kernels.push((format!("{label} split"), spec(false, true, xvec)));
+                }
                 if xvec {
-                    kernels.push((format!("{label} scalar x"), ks.matmul_spec(KernelSpec::Gemm { fmt, wide, xvec: false }).unwrap()));
+                    kernels.push((format!("{label} scalar x"), spec(wide, split, false)));
                 }
             }
             kernels.push((label.to_string(), mm));
         }
         for (label, mm) in &kernels {
-            let y = gpu.storage("y", (t * n * 4) as u64);
-            let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
-            let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
-            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group(&gpu.device, &params[c], &xb, &y, None, &gw, c)).collect();
-            run(gpu, |pass| {
-                for (c, d) in dims.iter().enumerate() {
-                    mm.dispatch(pass, &bgs[c], d);
+            // a split GEMM: its own choice of parts, and 3 parts (the last one empty where K is
+            // short), each run twice with y cleared between: the second run fails if the first
+            // left a tile's counter set
+            let splits: &[usize] = if mm.is_split() { &[0, 3] } else { &[0] };
+            for &ksplit in splits {
+                let y = gpu.storage("y", (t * n * 4) as u64);
+                let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims { ksplit, ..MatMulDims::plain(&gw, c, t) }).collect();
+                let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+                let scratch: Vec<(wgpu::Buffer, wgpu::Buffer)> =
+                    dims.iter().map(|d| mm.split_scratch_bytes(d)).map(|(p, c)| (gpu.storage("part", p), gpu.storage("done", c))).collect();
+                let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len())
+                    .map(|c| {
+                        if mm.is_split() {
+                            mm.bind_group_split(&gpu.device, &params[c], &xb, &y, &scratch[c].0, &scratch[c].1, &gw, c)
+                        } else {
+                            mm.bind_group(&gpu.device, &params[c], &xb, &y, None, &gw, c)
+                        }
+                    })
+                    .collect();
+                let rounds = if mm.is_split() { 2 } else { 1 };
+                for round in 0..rounds {
+                    gpu.queue.write_buffer(&y, 0, &vec![0u8; t * n * 4]);
+                    run(gpu, |pass| {
+                        for (c, d) in dims.iter().enumerate() {
+                            mm.dispatch(pass, &bgs[c], d);
+                        }
+                    });
+                    let got = gpu.read_f32(&y, t * n).unwrap();
+                    let path = if mm.is_gemv() { "gemv" } else { "gemm" };
+                    let parts = mm.ksplit(&dims[0]);
+                    check(&format!("matmul {} {path} [{label}] N={n} K={k} T={t} chunks={} parts={parts} round {round}", fmt.describe(), gw.chunks.len()), &got, &want);
                 }
-            });
-            let got = gpu.read_f32(&y, t * n).unwrap();
-            let path = if mm.is_gemv() { "gemv" } else { "gemm" };
-            check(&format!("matmul {} {path} [{label}] N={n} K={k} T={t} chunks={}", fmt.describe(), gw.chunks.len()), &got, &want);
+            }
         }
     }
 }

@@ -16,9 +16,16 @@
 // tile) of its slot by walking the chunk's experts; slots past the last tile exit.
 // Pair `q` reads x row q (x_bcast: q / S) and writes y row q.
 //
-// Flags: GROUPED, WIDE (BN = 128), XVEC (K % 4 == 0: x read in vec4s).
+// SPLIT (not GROUPED, not WIDE): K is cut into p.ksplit parts of whole steps, part wid.z per
+// workgroup. With more than one part, each workgroup stores its tile's sums into `part`, fences
+// them (storageBarrier) and counts itself in the tile's counter; the one that completes the count
+// adds the parts in order, writes y and zeroes the counter for the next dispatch (as the split
+// attention merges). For weights of few tiles and long rows, whose workgroups would otherwise
+// leave most of the GPU idle.
+//
+// Flags: GROUPED, WIDE (BN = 128), XVEC (K % 4 == 0: x read in vec4s), SPLIT.
 // Same Params and bindings as gemv.wgsl (a bind group serves both):
-// 0 params, 1 x, 2 y, 3 grp (GROUPED), 8.. weights.
+// 0 params, 1 x, 2 y, 3 grp (GROUPED), 5 part and 6 counters (SPLIT), 8.. weights.
 
 struct Params {
     T: u32,
@@ -33,6 +40,10 @@ struct Params {
     E: u32,          // GROUPED: experts of the whole stack (offsets before the pair list)
     _norm_mode: u32, // (gemv.wgsl's fused norm)
     _norm_eps: f32,
+    _rows2: u32,     // (gemv.wgsl's concatenated weights)
+    _rows3: u32,
+    ksplit: u32,     // SPLIT: parts of K
+    _p0: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -44,6 +55,12 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 //#if GROUPED
 @group(0) @binding(3) var<storage, read> grp: array<u32>;
+//#endif
+//#if SPLIT
+// per (tile, part): the tile's sums, [token][row / 4]; a counter per tile
+@group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> done: array<atomic<u32>>;
+var<workgroup> wlast: u32;
 //#endif
 
 const BT: u32 = 64u;   // tokens per tile
@@ -138,7 +155,16 @@ fn main(
     let nslots = (p.T + BT - 1u) / BT;
 //#endif
     let nrt = (p.rows + BN - 1u) / BN;
+//#if SPLIT
+    // this workgroup's part of K: whole steps
+    let kc = (K + p.ksplit * BK - 1u) / (p.ksplit * BK) * BK;
+    let kbeg = min(wid.z * kc, K);
+    let nsteps = (min(kbeg + kc, K) - kbeg + BK - 1u) / BK;
+//#else
+    let kbeg = 0u;
     let nsteps = (K + BK - 1u) / BK;
+//#endif
+    let o0 = kbeg / 8u;  // the part's first octet
     for (var ty = wid.y; ty < nslots; ty += nwg.y) {
 //#if GROUPED
         workgroupBarrier();
@@ -189,9 +215,9 @@ fn main(
             // step 0's words
             var rw = ROct(vec4<u32>(0u), vec4<u32>(0u));
             if wload {
-                rw = oct_raw(wbase + wr, lo, K);
+                rw = oct_raw(wbase + wr, o0 + lo, K);
             }
-            var rx4 = load_x4(xr, 0u, lq, K, lvalid);
+            var rx4 = load_x4(xr, kbeg, lq, K, lvalid);
             var acc0 = vec4<f32>(0.0);
             var acc1 = vec4<f32>(0.0);
             var acc2 = vec4<f32>(0.0);
@@ -213,7 +239,7 @@ fn main(
                         xs[xb + (4u * lq + j) * (BT / 4u) + lt / 4u][lt % 4u] = rx4[j];
                     }
                     if wst {
-                        let d = oct_dec(rw, wbase + wr, s * 2u + lo, K);
+                        let d = oct_dec(rw, wbase + wr, o0 + s * 2u + lo, K);
                         let wb = cur * WS;
                         let wc = (lr + 64u * lh) / 4u;
                         let wj = lr % 4u;
@@ -227,9 +253,9 @@ fn main(
                 // issue step s + 1's loads, then multiply step s
                 if s + 1u < nsteps {
                     if wload {
-                        rw = oct_raw(wbase + wr, (s + 1u) * 2u + lo, K);
+                        rw = oct_raw(wbase + wr, o0 + (s + 1u) * 2u + lo, K);
                     }
-                    rx4 = load_x4(xr, (s + 1u) * BK, lq, K, lvalid);
+                    rx4 = load_x4(xr, kbeg + (s + 1u) * BK, lq, K, lvalid);
                 }
                 let xb = cur * XS;
                 let wb = cur * WS;
@@ -249,6 +275,41 @@ fn main(
 //#endif
                 }
             }
+//#if SPLIT
+            if p.ksplit > 1u {
+                let tile = ty * nrt + rx;
+                let pb = tile * p.ksplit * (BT * BN / 4u);
+                let pi = (4u * tm) * (BN / 4u) + tn;
+                let pz = pb + wid.z * (BT * BN / 4u) + pi;
+                part[pz] = acc0;
+                part[pz + BN / 4u] = acc1;
+                part[pz + 2u * (BN / 4u)] = acc2;
+                part[pz + 3u * (BN / 4u)] = acc3;
+                storageBarrier();
+                if lid == 0u {
+                    wlast = u32(atomicAdd(&done[tile], 1u) + 1u == p.ksplit);
+                }
+                if workgroupUniformLoad(&wlast) == 1u {
+                    storageBarrier();
+                    var s0 = vec4<f32>(0.0);
+                    var s1 = vec4<f32>(0.0);
+                    var s2 = vec4<f32>(0.0);
+                    var s3 = vec4<f32>(0.0);
+                    for (var z = 0u; z < p.ksplit; z++) {
+                        let q = pb + z * (BT * BN / 4u) + pi;
+                        s0 += part[q];
+                        s1 += part[q + BN / 4u];
+                        s2 += part[q + 2u * (BN / 4u)];
+                        s3 += part[q + 3u * (BN / 4u)];
+                    }
+                    store_rows(yr, yvalid, r0 + tn * 4u, s0, s1, s2, s3, gsc);
+                    if lid == 0u {
+                        atomicStore(&done[tile], 0u);
+                    }
+                }
+                continue;
+            }
+//#endif
             store_rows(yr, yvalid, r0 + tn * 4u, acc0, acc1, acc2, acc3, gsc);
 //#if WIDE
             store_rows(yr, yvalid, r0 + 64u + tn * 4u, acc4, acc5, acc6, acc7, gsc);

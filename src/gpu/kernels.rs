@@ -49,6 +49,23 @@ pub const GEMM_MIN_T: usize = 8;
 /// 2317 against 2834 at 64 rows; 128 x 8192 (128) 337 against 358; 128 x 3840 (60) 1332 against
 /// 811.
 pub const GEMM_WIDE_MIN_TILES: usize = 96;
+/// A GEMM of fewer 64 x 64 tiles than this cuts K into parts (Vulkan: see
+/// [`KernelOptions::merge_splits`]) to reach about this many workgroups.
+pub const GEMM_SPLIT_WORKGROUPS: usize = 396;
+/// Each part of a split GEMM's K holds at least this many elements.
+pub const GEMM_SPLIT_MIN_K: usize = 256;
+
+/// Parts of K for a split GEMM of `tiles` 64 x 64 tiles (1: no split); `MARKBASE_GEMM_SPLIT`
+/// overrides (0 or 1: none).
+pub fn gemm_ksplit(tiles: usize, k: usize) -> usize {
+    if let Some(v) = env_u32("MARKBASE_GEMM_SPLIT") {
+        return (v as usize).max(1);
+    }
+    if tiles == 0 || tiles >= GEMM_SPLIT_WORKGROUPS {
+        return 1;
+    }
+    div_ceil(GEMM_SPLIT_WORKGROUPS, tiles).min(k / GEMM_SPLIT_MIN_K).max(1)
+}
 /// Whether the one-token GEMV walks two blocks per step by default (`MARKBASE_GEMV_BP2=0|1`).
 pub const GEMV_BP2: bool = false;
 
@@ -200,9 +217,10 @@ pub enum KernelSpec {
     /// One token, a fused norm (weight dtype `norm`) and `n` (2 or 3) weights of one format
     /// whose outputs lie side by side (`Op::NormMatMul` over q, k and v).
     GemvCat { fmt: GpuFormat, wg: u32, rows: u32, xvec: bool, norm: Option<FloatType>, n: u32, half: bool },
-    /// `wide`: 128 rows per workgroup tile instead of 64; `xvec`: K % 4 == 0 (vec4 activation
-    /// loads).
-    Gemm { fmt: GpuFormat, wide: bool, xvec: bool },
+    /// `wide`: 128 rows per workgroup tile instead of 64; `split`: K cut into parts merged by
+    /// the last workgroup of each tile (not `wide`; see [`gemm_ksplit`]); `xvec`: K % 4 == 0
+    /// (vec4 activation loads).
+    Gemm { fmt: GpuFormat, wide: bool, split: bool, xvec: bool },
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
     Embed { fmt: GpuFormat },
@@ -298,8 +316,8 @@ impl KernelSpec {
                 if *half && gemv_half(*fmt, 1, *xvec, false, false) { " half" } else { "" },
                 if *xvec { "" } else { " masked" }
             ),
-            KernelSpec::Gemm { fmt, wide, xvec } => {
-                let flags = [(*wide, " wide"), (*xvec, " xvec")];
+            KernelSpec::Gemm { fmt, wide, split, xvec } => {
+                let flags = [(*wide, " wide"), (*split, " split"), (*xvec, " xvec")];
                 format!("gemm[{}{}]", fmt.describe(), flags.iter().filter(|f| f.0).map(|f| f.1).collect::<String>())
             }
             KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
@@ -382,9 +400,9 @@ impl KernelSpec {
                     .flag("CAT3", n == 3);
                 weight_source(s, fmt, true, xvec, half)
             }
-            KernelSpec::Gemm { fmt, wide, xvec } => {
+            KernelSpec::Gemm { fmt, wide, split, xvec } => {
                 let s = Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256);
-                weight_source(s.flag("WIDE", wide).flag("XVEC", xvec), fmt, false, false, false)
+                weight_source(s.flag("WIDE", wide).flag("SPLIT", split).flag("XVEC", xvec), fmt, false, false, false)
             }
             KernelSpec::GroupedGemm { fmt } => {
                 weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false, false)
@@ -484,9 +502,9 @@ impl KernelSpec {
                     }
                 }
             }
-            for wide in [false, true] {
+            for (wide, split) in [(false, false), (true, false), (false, true)] {
                 for xvec in [false, true] {
-                    v.push(KernelSpec::Gemm { fmt, wide, xvec });
+                    v.push(KernelSpec::Gemm { fmt, wide, split, xvec });
                 }
             }
             v.push(KernelSpec::GroupedGemm { fmt });
@@ -874,7 +892,8 @@ impl Kernels {
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| div_ceil(n, 128) * div_ceil(t, 64) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
-            KernelSpec::Gemm { fmt, wide, xvec: k % 4 == 0 }
+            let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(div_ceil(n, 64) * div_ceil(t, 64), k) > 1);
+            KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
         };
         Ok(spec)
     }
@@ -1040,7 +1059,9 @@ pub struct MatMulParams {
     /// Rows of the second and third weight (`GemvCat`).
     pub rows2: u32,
     pub rows3: u32,
-    pub _pad: [u32; 2],
+    /// Parts of K (split GEMM).
+    pub ksplit: u32,
+    pub _pad: u32,
 }
 
 /// Shape of one matmul dispatch (one weight chunk).
@@ -1060,6 +1081,8 @@ pub struct MatMulDims {
     pub norm: Option<(NormScale, f32)>,
     /// Rows of the second and third weight whose outputs follow (`GemvCat`; 0 without).
     pub cat: [usize; 2],
+    /// Parts of K of a split GEMM (0: [`gemm_ksplit`]'s choice).
+    pub ksplit: usize,
 }
 
 /// Gathered-matmul extras.
@@ -1080,13 +1103,13 @@ impl MatMulDims {
     /// Dims of chunk `c` of `w` for `t` tokens (plain matmul).
     pub fn plain(w: &GpuWeight, c: usize, t: usize) -> Self {
         let ch = &w.chunks[c];
-        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None, norm: None, cat: [0; 2] }
+        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None, norm: None, cat: [0; 2], ksplit: 0 }
     }
     /// Dims of one token through 2 or 3 single-chunk weights side by side (`GemvCat`).
     pub fn cat(ws: &[&GpuWeight]) -> Self {
         let rows = |i: usize| ws.get(i).map_or(0, |w| w.rows);
         let ldy = ws.iter().map(|w| w.rows).sum();
-        MatMulDims { t: 1, k: ws[0].k, rows: rows(0), row_start: 0, ldy, gather: None, norm: None, cat: [rows(1), rows(2)] }
+        MatMulDims { t: 1, k: ws[0].k, rows: rows(0), row_start: 0, ldy, gather: None, norm: None, cat: [rows(1), rows(2)], ksplit: 0 }
     }
     /// With a fused norm in front.
     pub fn with_norm(self, scale: NormScale, eps: f32) -> Self {
@@ -1104,6 +1127,7 @@ impl MatMulDims {
             gather: Some(GatherDims { s, e_start, e_count, x_bcast, experts: w.experts }),
             norm: None,
             cat: [0; 2],
+            ksplit: 0,
         }
     }
 }
@@ -1140,8 +1164,52 @@ impl MatMulKernel {
             norm_eps: d.norm.map_or(0.0, |(_, e)| e),
             rows2: d.cat[0] as u32,
             rows3: d.cat[1] as u32,
-            _pad: [0; 2],
+            ksplit: self.ksplit(d) as u32,
+            _pad: 0,
         }
+    }
+
+    /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
+    pub fn is_split(&self) -> bool {
+        matches!(self.spec, KernelSpec::Gemm { split: true, .. })
+    }
+
+    /// Parts of K of dispatch `d` (1 unless split).
+    pub fn ksplit(&self, d: &MatMulDims) -> usize {
+        if !self.is_split() {
+            return 1;
+        }
+        if d.ksplit > 0 {
+            return d.ksplit;
+        }
+        gemm_ksplit(div_ceil(d.rows, 64) * div_ceil(d.t, 64), d.k)
+    }
+
+    /// Bytes of the split GEMM's partial sums and of its counters for dispatch `d`.
+    pub fn split_scratch_bytes(&self, d: &MatMulDims) -> (u64, u64) {
+        let tiles = (div_ceil(d.rows, 64) * div_ceil(d.t, 64)) as u64;
+        (tiles * self.ksplit(d) as u64 * 64 * 64 * 4, tiles * 4)
+    }
+
+    /// Bind group of a split GEMM: chunk `c` of `w`, partial sums `part`, counters `done` (zeroed
+    /// before the first dispatch; each dispatch leaves them zeroed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_split(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        part: &wgpu::Buffer,
+        done: &wgpu::Buffer,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        res.push((5, part.as_entire_binding()));
+        res.push((6, done.as_entire_binding()));
+        res.extend(w.bindings(c));
+        self.kernel.bind_group(device, &res)
     }
 
     pub fn groups(&self, d: &MatMulDims) -> [u32; 3] {
@@ -1162,7 +1230,7 @@ impl MatMulKernel {
             }
             KernelSpec::Gemm { wide, .. } => {
                 let bn = if wide { 128 } else { 64 };
-                [div_ceil(d.rows, bn).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, 1]
+                [div_ceil(d.rows, bn).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
             }
             _ => [div_ceil(d.rows, 64).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, 1],
         }

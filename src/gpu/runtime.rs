@@ -210,6 +210,10 @@ impl GpuExecutor {
         };
         let mut params: Vec<wgpu::Buffer> = vec![];
         let mut scratch: Vec<wgpu::Buffer> = vec![];
+        // the split GEMMs' partial sums and counters: one pair shared by all of them (their
+        // dispatches run one after the other and leave the counters zeroed), replaced by a
+        // larger one when a GEMM needs more
+        let mut split_scratch: Option<(wgpu::Buffer, wgpu::Buffer)> = None;
         let mut phases: Vec<Vec<Dispatch>> = vec![];
         for ph in &c.schedule.phases {
             let mut ds: Vec<Dispatch> = vec![];
@@ -265,7 +269,18 @@ impl GpuExecutor {
                         for ci in 0..w.chunks.len() {
                             let d = MatMulDims::plain(w, ci, rows);
                             let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, None, w, ci);
+                            let bg = if k.is_split() {
+                                let (pb, cb) = k.split_scratch_bytes(&d);
+                                if split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
+                                    let pair = (self.gpu.storage("gemm.partials", pb), self.gpu.storage("gemm.counters", cb));
+                                    scratch.extend([pair.0.clone(), pair.1.clone()]);
+                                    split_scratch = Some(pair);
+                                }
+                                let (part, done) = split_scratch.as_ref().expect("allocated above");
+                                k.bind_group_split(&dev, &p, &buf(ins[0])?, &out()?, part, done, w, ci)
+                            } else {
+                                k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, None, w, ci)
+                            };
                             push(k.kernel.clone(), bg, k.groups(&d));
                         }
                     }
