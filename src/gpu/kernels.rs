@@ -1205,11 +1205,7 @@ impl MatMulKernel {
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
-        res.push((5, part.as_entire_binding()));
-        res.push((6, done.as_entire_binding()));
-        res.extend(w.bindings(c));
-        self.kernel.bind_group(device, &res)
+        self.bind(device, params, x, y, &[(5, part), (6, done)], w, None, c)
     }
 
     pub fn groups(&self, d: &MatMulDims) -> [u32; 3] {
@@ -1247,11 +1243,11 @@ impl MatMulKernel {
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        self.bind(device, params, x, y, routing.map(|r| (3, r)), w, None, c)
+        self.bind(device, params, x, y, routing.map(|r| (3, r)).as_slice(), w, None, c)
     }
 
-    /// Bindings 0-2, one optional extra (`(binding, buffer)`), chunk `c` of `w` at 8.. and of
-    /// the dual GEMV's second weight `wu` at 12...
+    /// Bindings 0-2, the extras (`(binding, buffer)`), chunk `c` of `w` at 8.. and of the dual
+    /// GEMV's second weight `wu` at 12...
     #[allow(clippy::too_many_arguments)]
     fn bind(
         &self,
@@ -1259,15 +1255,13 @@ impl MatMulKernel {
         params: &wgpu::Buffer,
         x: &wgpu::Buffer,
         y: &wgpu::Buffer,
-        extra: Option<(u32, &wgpu::Buffer)>,
+        extra: &[(u32, &wgpu::Buffer)],
         w: &GpuWeight,
         wu: Option<&GpuWeight>,
         c: usize,
     ) -> wgpu::BindGroup {
         let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
-        if let Some((b, buf)) = extra {
-            res.push((b, buf.as_entire_binding()));
-        }
+        res.extend(extra.iter().map(|&(b, buf)| (b, buf.as_entire_binding())));
         res.extend(w.bindings(c));
         if let Some(wu) = wu {
             res.extend(wu.bindings(c).into_iter().map(|(b, r)| (b + 4, r)));
@@ -1289,7 +1283,7 @@ impl MatMulKernel {
         wu: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        self.bind(device, params, x, y, nw.map(|b| (4, b)), w, Some(wu), c)
+        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, Some(wu), c)
     }
 
     /// Bind group for the single-chunk weights `ws` (at 8.., 12.., 16..) behind a fused norm with
@@ -1325,7 +1319,7 @@ impl MatMulKernel {
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        self.bind(device, params, x, y, nw.map(|b| (4, b)), w, None, c)
+        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, None, c)
     }
 
     pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, d: &MatMulDims) {
