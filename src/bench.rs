@@ -12,7 +12,7 @@ use markbase_graph::passes::Compiled;
 use markbase_graph::quant::QuantSpec;
 use markbase_graph::ModelConfig;
 
-use crate::gpu::runtime::Profile;
+use crate::gpu::runtime::{Profile, ProfileResult};
 use crate::model::{DeviceKind, GraphKey, Model, ModelOptions, SampleParams};
 use crate::weights::Weights;
 
@@ -174,35 +174,9 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
             m.forward(&[tok], false, None)?;
             if let Some(p) = m.gpu_profile() {
                 let c = m.graph(key)?;
-                let mut by_op: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-                for (n, s) in &p.dispatches {
-                    let node = c.graph.node(*n);
-                    let mut label = node.op().map(|o| o.name().to_string()).unwrap_or_default();
-                    // the op, its weights' format and the weights without their layer index
-                    // (a fused GEMV names each of its weights)
-                    let ws: Vec<(String, String)> = c
-                        .graph
-                        .inputs(*n)
-                        .iter()
-                        .filter_map(|&i| match &c.graph.node(i).kind {
-                            NodeKind::Weight { weight } if weight.module => Some((weight.format.describe(), weight_role(&weight.name))),
-                            _ => None,
-                        })
-                        .collect();
-                    if let Some((fmt, _)) = ws.first() {
-                        let names: Vec<&str> = ws.iter().map(|w| w.1.as_str()).collect();
-                        label = format!("{label} [{fmt}] {}", names.join("+"));
-                    }
-                    let e = by_op.entry(label).or_insert((0.0, 0));
-                    e.0 += s;
-                    e.1 += 1;
-                }
-                let total: f64 = p.dispatches.iter().map(|d| d.1).sum();
+                let (total, by_op) = ops_by_weight(c, &p);
                 rec["gpu_profile_total_ms"] = json!(total * 1e3);
-                rec["gpu_profile_by_op"] = json!(by_op
-                    .iter()
-                    .map(|(k, (s, n))| json!({"op": k, "ms": s * 1e3, "dispatches": n, "share": s / total.max(1e-12)}))
-                    .collect::<Vec<_>>());
+                rec["gpu_profile_by_op"] = json!(by_op);
                 // The matmuls' own bandwidth.
                 let mut mm_bytes = 0u64;
                 let mut mm_s = 0.0;
@@ -225,10 +199,49 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
                 }
                 rec["matmul_GB_s"] = json!(mm_bytes as f64 / mm_s.max(1e-12) / 1e9);
             }
+            // one prefill of the prompt (one chunk: the bench's chunk is the prompt)
+            m.reset();
+            m.forward(&prompt, false, None)?;
+            if let Some(p) = m.gpu_profile() {
+                let c = m.graph(GraphKey { tokens: prompt.len(), all_logits: false, sample: false })?;
+                let (total, by_op) = ops_by_weight(c, &p);
+                rec["gpu_prefill_profile_total_ms"] = json!(total * 1e3);
+                rec["gpu_prefill_profile_by_op"] = json!(by_op);
+            }
         }
         m.set_profile(Profile::Off);
     }
     Ok(rec)
+}
+
+/// Time per op of a profiled run (a timestamp after every dispatch), summed by op, weights'
+/// format and weights without their layer index (a fused GEMV names each of its weights):
+/// the total seconds and one `{op, ms, dispatches, share}` per label.
+fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>) {
+    let mut by_op: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for (n, s) in &p.dispatches {
+        let node = c.graph.node(*n);
+        let mut label = node.op().map(|o| o.name().to_string()).unwrap_or_default();
+        let ws: Vec<(String, String)> = c
+            .graph
+            .inputs(*n)
+            .iter()
+            .filter_map(|&i| match &c.graph.node(i).kind {
+                NodeKind::Weight { weight } if weight.module => Some((weight.format.describe(), weight_role(&weight.name))),
+                _ => None,
+            })
+            .collect();
+        if let Some((fmt, _)) = ws.first() {
+            let names: Vec<&str> = ws.iter().map(|w| w.1.as_str()).collect();
+            label = format!("{label} [{fmt}] {}", names.join("+"));
+        }
+        let e = by_op.entry(label).or_insert((0.0, 0));
+        e.0 += s;
+        e.1 += 1;
+    }
+    let total: f64 = p.dispatches.iter().map(|d| d.1).sum();
+    let rows = by_op.iter().map(|(k, (s, n))| json!({"op": k, "ms": s * 1e3, "dispatches": n, "share": s / total.max(1e-12)})).collect();
+    (total, rows)
 }
 
 /// Loads what `bench` runs: a checkpoint directory or a synthetic shape.
@@ -278,27 +291,29 @@ pub fn table(rows: &[Value]) -> String {
             f("cpu_encode_us_median"),
         ));
     }
-    // with --profile: one decode step by op, largest first
+    // with --profile: one decode step and one prefill by op, largest first
     for r in rows {
-        let Some(ops) = r.get("gpu_profile_by_op").and_then(|v| v.as_array()) else {
-            continue;
-        };
-        let mut ops: Vec<&Value> = ops.iter().collect();
-        ops.sort_by(|a, b| b["ms"].as_f64().unwrap_or(0.0).total_cmp(&a["ms"].as_f64().unwrap_or(0.0)));
-        s.push_str(&format!(
-            "\n{} on {}: one decode step, a timestamp after every dispatch ({:.3} ms in all; the timestamps slow it)\n| op [weights] | ms | dispatches | share |\n|---|---|---|---|\n",
-            r["model"].as_str().unwrap_or(""),
-            short_device(r["device"].as_str().unwrap_or("")),
-            r["gpu_profile_total_ms"].as_f64().unwrap_or(f64::NAN)
-        ));
-        for e in ops {
+        for (key, what) in [("gpu_profile", "one decode step".to_string()), ("gpu_prefill_profile", format!("one prefill of {} tokens", r["prompt"]))] {
+            let Some(ops) = r.get(format!("{key}_by_op").as_str()).and_then(|v| v.as_array()) else {
+                continue;
+            };
+            let mut ops: Vec<&Value> = ops.iter().collect();
+            ops.sort_by(|a, b| b["ms"].as_f64().unwrap_or(0.0).total_cmp(&a["ms"].as_f64().unwrap_or(0.0)));
             s.push_str(&format!(
-                "| {} | {:.3} | {} | {:.1}% |\n",
-                e["op"].as_str().unwrap_or(""),
-                e["ms"].as_f64().unwrap_or(f64::NAN),
-                e["dispatches"],
-                100.0 * e["share"].as_f64().unwrap_or(f64::NAN)
+                "\n{} on {}: {what}, a timestamp after every dispatch ({:.3} ms in all; the timestamps slow it)\n| op [weights] | ms | dispatches | share |\n|---|---|---|---|\n",
+                r["model"].as_str().unwrap_or(""),
+                short_device(r["device"].as_str().unwrap_or("")),
+                r[format!("{key}_total_ms").as_str()].as_f64().unwrap_or(f64::NAN)
             ));
+            for e in ops {
+                s.push_str(&format!(
+                    "| {} | {:.3} | {} | {:.1}% |\n",
+                    e["op"].as_str().unwrap_or(""),
+                    e["ms"].as_f64().unwrap_or(f64::NAN),
+                    e["dispatches"],
+                    100.0 * e["share"].as_f64().unwrap_or(f64::NAN)
+                ));
+            }
         }
     }
     s

@@ -140,6 +140,11 @@ fn bench_profile_names_ops_and_weights() {
         assert!(out.contains(want), "{want} missing: {out}");
     }
     assert!(!out.contains("layers."), "layer indices left in the profile: {out}");
+    // and one prefill of the prompt, by op
+    let prefill = out.split("one prefill of 8 tokens").nth(1).unwrap_or_else(|| panic!("no prefill profile: {out}"));
+    for want in ["| matmul [", "mlp.down_proj |", "| attention |"] {
+        assert!(prefill.contains(want), "{want} missing from the prefill profile: {out}");
+    }
     // the device column names the backend (one adapter may be found through several)
     assert!(["(vulkan) |", "(metal) |", "(dx12) |", "(gl) |"].iter().any(|b| out.contains(b)), "no backend in the device column: {out}");
 }
