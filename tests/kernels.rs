@@ -254,12 +254,11 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
                 let y = gpu.storage("y", (t * n * 4) as u64);
                 let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims { ksplit, ..MatMulDims::plain(&gw, c, t) }).collect();
                 let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
-                let scratch: Vec<(wgpu::Buffer, wgpu::Buffer)> =
-                    dims.iter().map(|d| mm.split_scratch_bytes(d)).map(|(p, c)| (gpu.storage("part", p), gpu.storage("done", c))).collect();
                 let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len())
                     .map(|c| {
                         if mm.is_split() {
-                            mm.bind_group_split(&gpu.device, &params[c], &xb, &y, &scratch[c].0, &scratch[c].1, &gw, c)
+                            let (pb, cb) = mm.split_scratch_bytes(&dims[c]);
+                            mm.bind_group_split(&gpu.device, &params[c], &xb, &y, &gpu.storage("part", pb), &gpu.storage("done", cb), &gw, c)
                         } else {
                             mm.bind_group(&gpu.device, &params[c], &xb, &y, None, &gw, c)
                         }

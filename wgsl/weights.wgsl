@@ -195,10 +195,19 @@ fn w_global(e: u32) -> f32 {
 
 // Float weights: element `e` (flat index into the chunk).
 fn wf_at(e: u32) -> f32 {
+    return wf_val(wf_word(e), e);
+}
+
+// The word holding float element `e`, and element `e`'s value from that word.
+fn wf_word(e: u32) -> u32 {
+    return wword(select(e >> 1u, e, FDT == 2u));
+}
+
+fn wf_val(word: u32, e: u32) -> f32 {
     if FDT == 2u {
-        return bitcast<f32>(wword(e));
+        return bitcast<f32>(word);
     }
-    return f16x2_pick(wword(e >> 1u), e, FDT);
+    return f16x2_pick(word, e, FDT);
 }
 
 // Generic code extraction: the 8 codes of octet `o` (elements 8o..8o+7) of `row`.
@@ -456,10 +465,10 @@ fn oct_raw(row: u32, o: u32, K: u32) -> ROct {
     let e0 = row * K + o * 8u;
     for (var j = 0u; j < 4u; j++) {
         if o * 8u + j < K {
-            r.a[j] = wword(select((e0 + j) >> 1u, e0 + j, FDT == 2u));
+            r.a[j] = wf_word(e0 + j);
         }
         if o * 8u + 4u + j < K {
-            r.b[j] = wword(select((e0 + 4u + j) >> 1u, e0 + 4u + j, FDT == 2u));
+            r.b[j] = wf_word(e0 + 4u + j);
         }
     }
 //#else
@@ -478,13 +487,8 @@ fn oct_dec(r: ROct, row: u32, o: u32, K: u32) -> Oct {
 //#if W_FLOAT
     let e0 = row * K + o * 8u;
     for (var j = 0u; j < 4u; j++) {
-        if FDT == 2u {
-            d.a[j] = bitcast<f32>(r.a[j]);
-            d.b[j] = bitcast<f32>(r.b[j]);
-        } else {
-            d.a[j] = f16x2_pick(r.a[j], e0 + j, FDT);
-            d.b[j] = f16x2_pick(r.b[j], e0 + 4u + j, FDT);
-        }
+        d.a[j] = wf_val(r.a[j], e0 + j);
+        d.b[j] = wf_val(r.b[j], e0 + 4u + j);
     }
 //#else
     let c = oct_split(r.a.x, r.a.y, o);
