@@ -261,35 +261,32 @@ fn oct_split(lo: u32, hi: u32, o: u32) -> array<vec4<u32>, 2> {
 // Codes of block `blk` (elements 32blk..32blk+31) of `row`; octets at or past K read as 0.
 fn blk_codes(row: u32, blk: u32, K: u32) -> U8 {
     var c: U8;
+//#if W_FAST4 || W_FAST8
+    // 4 bits: one vec4 of words per block, an octet per word; 8 bits: two, an octet per pair of
+    // words (oct_split's word-aligned paths); K % 32 == 0.
 //#if W_FAST4
-    // 4 bits: one vec4 of words per block; K % 32 == 0.
     let v = wq4(row * (K >> 5u) + blk);
-    let lo = vec4<u32>(0u, 4u, 8u, 12u);
-    let hi = vec4<u32>(16u, 20u, 24u, 28u);
-    let m = vec4<u32>(15u);
-    c.v0 = (vec4<u32>(v.x) >> lo) & m;
-    c.v1 = (vec4<u32>(v.x) >> hi) & m;
-    c.v2 = (vec4<u32>(v.y) >> lo) & m;
-    c.v3 = (vec4<u32>(v.y) >> hi) & m;
-    c.v4 = (vec4<u32>(v.z) >> lo) & m;
-    c.v5 = (vec4<u32>(v.z) >> hi) & m;
-    c.v6 = (vec4<u32>(v.w) >> lo) & m;
-    c.v7 = (vec4<u32>(v.w) >> hi) & m;
-//#elif W_FAST8
-    // 8 bits: two vec4 of words per block; K % 32 == 0.
+    let q0 = oct_split(v.x, 0u, 0u);
+    let q1 = oct_split(v.y, 0u, 0u);
+    let q2 = oct_split(v.z, 0u, 0u);
+    let q3 = oct_split(v.w, 0u, 0u);
+//#else
     let base = row * (K >> 4u) + 2u * blk;
     let v0 = wq4(base);
     let v1 = wq4(base + 1u);
-    let sh = vec4<u32>(0u, 8u, 16u, 24u);
-    let m = vec4<u32>(255u);
-    c.v0 = (vec4<u32>(v0.x) >> sh) & m;
-    c.v1 = (vec4<u32>(v0.y) >> sh) & m;
-    c.v2 = (vec4<u32>(v0.z) >> sh) & m;
-    c.v3 = (vec4<u32>(v0.w) >> sh) & m;
-    c.v4 = (vec4<u32>(v1.x) >> sh) & m;
-    c.v5 = (vec4<u32>(v1.y) >> sh) & m;
-    c.v6 = (vec4<u32>(v1.z) >> sh) & m;
-    c.v7 = (vec4<u32>(v1.w) >> sh) & m;
+    let q0 = oct_split(v0.x, v0.y, 0u);
+    let q1 = oct_split(v0.z, v0.w, 0u);
+    let q2 = oct_split(v1.x, v1.y, 0u);
+    let q3 = oct_split(v1.z, v1.w, 0u);
+//#endif
+    c.v0 = q0[0];
+    c.v1 = q0[1];
+    c.v2 = q1[0];
+    c.v3 = q1[1];
+    c.v4 = q2[0];
+    c.v5 = q2[1];
+    c.v6 = q3[0];
+    c.v7 = q3[1];
 //#else
     let o = blk * 4u;
     if o * 8u < K {
