@@ -97,12 +97,14 @@ fn wword(w: u32) -> u32 {
 //#endif
 }
 
-// E2M1 (fp4) codes -> values.
+// E2M1 (fp4) codes -> values. Magnitude m = 2..7 is 2^(m/2 - 1) (1 + (m & 1) / 2): its f32 bits
+// are m << 22 plus the bits of 0.5 (exponent and mantissa bit side by side); m = 1 is 0.5 and
+// m = 0 is 0, m times the bits of 0.5. The sign bit moves from bit 3 to bit 31.
 fn e2m1v(c: vec4<u32>) -> vec4<f32> {
     let m = c & vec4<u32>(7u);
-    let big = bitcast<vec4<f32>>((((m >> vec4<u32>(1u)) + vec4<u32>(126u)) << vec4<u32>(23u)) | ((m & vec4<u32>(1u)) << vec4<u32>(22u)));
-    let mag = select(vec4<f32>(m) * 0.5, big, m >= vec4<u32>(2u));
-    return bitcast<vec4<f32>>(bitcast<vec4<u32>>(mag) | ((c & vec4<u32>(8u)) << vec4<u32>(28u)));
+    let half = vec4<u32>(0x3f000000u);
+    let mag = select((m << vec4<u32>(22u)) + half, m * half, m < vec4<u32>(2u));
+    return bitcast<vec4<f32>>(mag | ((c & vec4<u32>(8u)) << vec4<u32>(28u)));
 }
 
 // E4M3FN (fp8) codes -> values (0x7f / 0xff are NaN).

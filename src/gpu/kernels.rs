@@ -880,11 +880,13 @@ impl Kernels {
             let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
             // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two, in gemv_wg)
             // 8 rows per workgroup measured best for affine and float weights on the H200;
-            // the fp4/fp8 decoders (per-element selects) run out of registers there: 2; few,
-            // long rows of one token: 4
+            // the fp4/fp8 decoders (per-element selects) run out of registers there: 2, except
+            // mxfp4 for one token: 4; few, long rows of one token: 4
             let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
             let few = tt == 1 && !gather && n.is_some_and(|n| few_long_rows(n, k));
-            let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy {
+            let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy && tt == 1 && fmt == GpuFormat::Mxfp4 {
+                4
+            } else if heavy {
                 2
             } else if tt == 1 && !few {
                 8
