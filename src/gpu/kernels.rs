@@ -55,9 +55,18 @@ pub const GEMM_SPLIT_WORKGROUPS: usize = 396;
 /// Each part of a split GEMM's K holds at least this many elements.
 pub const GEMM_SPLIT_MIN_K: usize = 256;
 
-/// 64 x 64 tiles of a GEMM over `rows` weight rows and `t` tokens.
-fn gemm_tiles(rows: usize, t: usize) -> usize {
-    div_ceil(rows, 64) * div_ceil(t, 64)
+/// Weight rows per GEMM tile (64 tokens each): 128 with the wide tiles, else 64.
+fn gemm_tile_rows(wide: bool) -> usize {
+    if wide {
+        128
+    } else {
+        64
+    }
+}
+
+/// Tiles of a GEMM over `rows` weight rows and `t` tokens.
+fn gemm_tiles(rows: usize, t: usize, wide: bool) -> usize {
+    div_ceil(rows, gemm_tile_rows(wide)) * div_ceil(t, 64)
 }
 
 /// Parts of K for a split GEMM of `tiles` 64 x 64 tiles (1: no split); `MARKBASE_GEMM_SPLIT`
@@ -898,8 +907,8 @@ impl Kernels {
             let wg = self.gemv_wg(k, tt, half, bp2);
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
         } else {
-            let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| div_ceil(n, 128) * div_ceil(t, 64) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
-            let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t), k) > 1);
+            let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
+            let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
             KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
         };
         Ok(spec)
@@ -1189,12 +1198,12 @@ impl MatMulKernel {
         if d.ksplit > 0 {
             return d.ksplit;
         }
-        gemm_ksplit(gemm_tiles(d.rows, d.t), d.k)
+        gemm_ksplit(gemm_tiles(d.rows, d.t, false), d.k)
     }
 
     /// Bytes of the split GEMM's partial sums and of its counters for dispatch `d`.
     pub fn split_scratch_bytes(&self, d: &MatMulDims) -> (u64, u64) {
-        let tiles = gemm_tiles(d.rows, d.t) as u64;
+        let tiles = gemm_tiles(d.rows, d.t, false) as u64;
         (tiles * self.ksplit(d) as u64 * 64 * 64 * 4, tiles * 4)
     }
 
@@ -1232,8 +1241,7 @@ impl MatMulKernel {
                 [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
             KernelSpec::Gemm { wide, .. } => {
-                let bn = if wide { 128 } else { 64 };
-                [div_ceil(d.rows, bn).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
+                [div_ceil(d.rows, gemm_tile_rows(wide)).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
             }
             _ => [div_ceil(d.rows, 64).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, 1],
         }
