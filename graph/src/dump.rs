@@ -65,6 +65,9 @@ pub fn to_json(c: &Compiled) -> Value {
                     let weights: Vec<String> =
                         g.inputs(n).iter().filter_map(|&i| g.node(i).weight().map(|w| w.name.clone())).collect();
                     v["weights"] = json!(weights);
+                    if let Some(rule) = node.rule {
+                        v["fused_by"] = json!(rule);
+                    }
                 }
                 NodeKind::Weight { weight } => {
                     v["weight"] = json!({
@@ -135,7 +138,10 @@ pub fn to_text(c: &Compiled) -> String {
         let ins: Vec<String> = g.inputs(n).iter().map(|&i| format!("%{}", g.node(i).id)).collect();
         let phase = c.schedule.phase_of[n.index()].map(|p| format!("p{p}")).unwrap_or_else(|| "-".into());
         let extra = match &node.kind {
-            NodeKind::Op { op } => op.attrs(),
+            NodeKind::Op { op } => match node.rule {
+                Some(rule) => format!("{} [fused: {rule}]", op.attrs()).trim_start().to_string(),
+                None => op.attrs(),
+            },
             NodeKind::Weight { weight } => format!("{} [{}]", weight.name, weight.format.describe()),
             _ => String::new(),
         };

@@ -84,6 +84,9 @@ pub struct Node {
     pub kind: NodeKind,
     /// Type of the produced value. Weights have their float shape and dtype f32.
     pub ty: TensorType,
+    /// The fusion rule that produced this node (`None`: as the builder emitted it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<&'static str>,
 }
 
 impl Node {
@@ -136,7 +139,7 @@ impl Graph {
 
     fn push(&mut self, name: String, layer: Option<usize>, kind: NodeKind, ty: TensorType) -> NodeIndex {
         let id = self.g.node_count() as u32;
-        self.g.add_node(Node { id, name, layer, kind, ty })
+        self.g.add_node(Node { id, name, layer, kind, ty, rule: None })
     }
 
     pub fn input(&mut self, name: &str, input: InputKind, ty: TensorType) -> NodeIndex {

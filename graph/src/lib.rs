@@ -5,12 +5,15 @@
 pub mod builder;
 pub mod config;
 pub mod dump;
+pub mod fuse;
 pub mod ir;
+pub mod models;
 pub mod ops;
 pub mod passes;
 pub mod quant;
 
 pub use builder::{build, build_from_config, BuildOptions, Outputs, WeightResolver};
+pub use fuse::FuseOptions;
 pub use config::{Family, LayerType, ModelConfig};
 pub use ir::{Graph, GraphKind, Node, NodeKind};
 pub use ops::{DType, Op, TensorType};
