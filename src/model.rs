@@ -21,7 +21,7 @@ use std::sync::Arc;
 use markbase_graph::builder::{BuildOptions, Outputs, RECENT_TOKENS};
 use markbase_graph::ir::{Graph, GraphKind};
 use markbase_graph::passes::{compile, Compiled, PhasePolicy};
-use markbase_graph::ModelConfig;
+use markbase_graph::{FuseOptions, ModelConfig};
 
 use crate::cpu::exec::{self, CpuState, CpuWeights, StepInputs};
 pub use crate::cpu::ops::SampleParams;
@@ -49,11 +49,20 @@ pub struct ModelOptions {
     pub progress: Option<Box<ProgressFn>>,
     /// Debug: one submission per node, each output checked for NaN/Inf (GPU).
     pub check_nan: bool,
+    /// The fusion rules compiled graphs run (all by default; none: the graphs as built).
+    pub fuse: FuseOptions,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions { device: DeviceKind::Gpu(None), max_context: 4096, prefill_chunk: 256, progress: None, check_nan: false }
+        ModelOptions {
+            device: DeviceKind::Gpu(None),
+            max_context: 4096,
+            prefill_chunk: 256,
+            progress: None,
+            check_nan: false,
+            fuse: FuseOptions::all(),
+        }
     }
 }
 
@@ -164,6 +173,7 @@ pub struct Model {
     exec: Box<dyn Executor>,
     max_context: usize,
     chunk: usize,
+    fuse: FuseOptions,
     /// Tokens of the current sequence (their K/V are in the caches).
     history: Vec<u32>,
     /// Steps run so far in this sequence (the sampler's counter).
@@ -211,6 +221,7 @@ impl Model {
             exec,
             max_context: opts.max_context,
             chunk: opts.prefill_chunk.min(opts.max_context),
+            fuse: opts.fuse.clone(),
             history: vec![],
             steps: 0,
             runs: 0,
@@ -315,6 +326,7 @@ impl Model {
             o.outputs = if key.all_logits { Outputs::AllLogits } else { Outputs::LastLogits };
             o.sample = key.sample;
             o.kind = if key.tokens == 1 { GraphKind::Decode } else { GraphKind::Prefill };
+            o.fuse = self.fuse.clone();
             let g: Graph = match &self.checkpoint {
                 Some(ck) => ck.build(o).map_err(|e| e.to_string())?,
                 None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| e.to_string())?,

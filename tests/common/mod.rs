@@ -59,8 +59,17 @@ pub fn compare(what: &str, got: &[f32], want: &[f32], vocab: usize) -> (f32, f32
 
 /// Prefill of all 24 tokens, then prefill of 20 + 4 decode steps, against mlx-lm.
 pub fn check_fixture(name: &str, device: DeviceKind) -> (f32, f32) {
+    check_fixture_with(name, fixture_options(device))
+}
+
+/// The options of the fixture checks on `device`.
+pub fn fixture_options(device: DeviceKind) -> ModelOptions {
+    ModelOptions { device, max_context: 64, prefill_chunk: 32, ..Default::default() }
+}
+
+/// [`check_fixture`] with the given options.
+pub fn check_fixture_with(name: &str, opts: ModelOptions) -> (f32, f32) {
     let r = reference(name);
-    let opts = ModelOptions { device, max_context: 64, prefill_chunk: 32, ..Default::default() };
     let mut m = Model::load(fixture(name), opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     let rows = m.logits(&r.tokens).unwrap_or_else(|e| panic!("{name}: {e}"));
     let got: Vec<f32> = rows.concat();

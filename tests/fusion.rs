@@ -1,0 +1,109 @@
+//! The fusion pass: every fixture runs with every rule off (the graphs as the builders emit
+//! them) on the CPU reference and on the GPU, and must agree with mlx-lm as the fused graphs
+//! do; the fused graphs hold the ops each rule produces, the unfused ones none of them.
+
+mod common;
+
+use markbase::graph::fuse::{FuseOptions, RULES};
+use markbase::graph::ops::Op;
+use markbase::model::{DeviceKind, GraphKey, Model};
+
+/// Every fixture of a family that has a graph builder.
+fn fixtures() -> Vec<String> {
+    let idx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(common::fixture("index.json")).unwrap()).unwrap();
+    let names: Vec<String> = idx.as_object().unwrap().keys().filter(|n| !n.starts_with("gemma3n")).cloned().collect();
+    assert!(names.len() >= 20, "fixture index lists {} models", names.len());
+    names
+}
+
+fn is_fused(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::NormMatMul { .. }
+            | Op::NormGeGlu { .. }
+            | Op::RmsNormAdd { .. }
+            | Op::NormRope { .. }
+            | Op::KvWriteNormRope { .. }
+            | Op::NormRopeAttention { .. }
+    )
+}
+
+fn run_unfused(device: DeviceKind) {
+    for name in fixtures() {
+        let mut o = common::fixture_options(device);
+        o.fuse = FuseOptions::none();
+        let (d, s) = common::check_fixture_with(&name, o);
+        println!("{name} unfused: max |Δ| {d:.3e} (max |logit| {s:.2})");
+    }
+}
+
+#[test]
+fn unfused_fixtures_match_mlx_lm_on_cpu() {
+    run_unfused(DeviceKind::Cpu);
+}
+
+#[test]
+fn unfused_fixtures_match_mlx_lm_on_gpu() {
+    run_unfused(DeviceKind::Gpu(None));
+}
+
+/// Decode and prefill graphs: with every rule off no op is fused and no node names a rule;
+/// with all on, each one-token rule fires in each family that has its pattern, and every fused
+/// node names the rule that made it.
+#[test]
+fn rules_fire_and_switch_off() {
+    for name in ["gemma3_text-q4", "gemma4_dense_ple-q4", "gemma4_moe-q4"] {
+        for key in [GraphKey { tokens: 1, all_logits: false, sample: false }, GraphKey { tokens: 5, all_logits: true, sample: false }] {
+            let mut o = common::fixture_options(DeviceKind::Cpu);
+            o.fuse = FuseOptions::none();
+            let mut m = Model::load(common::fixture(name), o).unwrap();
+            let g = m.graph(key).unwrap().graph.clone();
+            for n in g.op_nodes() {
+                let node = g.node(n);
+                assert!(!is_fused(node.op().unwrap()) && node.rule.is_none(), "{name}: {} is fused", node.name);
+            }
+            let mut m = Model::load(common::fixture(name), common::fixture_options(DeviceKind::Cpu)).unwrap();
+            let g = m.graph(key).unwrap().graph.clone();
+            let mut fired: Vec<&str> = vec![];
+            for n in g.op_nodes() {
+                let node = g.node(n);
+                // fused ops name their rule; so does the reshape of a q/k/v concatenation
+                let op = node.op().unwrap();
+                let of_concat = g.inputs(n).first().is_some_and(|&i| matches!(g.node(i).op(), Some(Op::NormMatMul { .. })) && g.inputs(i).len() > 3);
+                let made = is_fused(op) || matches!(op, Op::Reshape { .. }) && of_concat;
+                assert_eq!(made, node.rule.is_some(), "{name}: {} {:?}", node.name, node.rule);
+                fired.extend(node.rule);
+            }
+            fired.sort_unstable();
+            fired.dedup();
+            let want: Vec<&str> = match (name, key.tokens) {
+                (_, 5) => vec!["norm_add", "norm_rope"],
+                ("gemma3_text-q4", _) => vec!["geglu", "kv_append", "norm_add", "norm_matmul"],
+                _ => vec!["attention_rope", "geglu", "kv_write", "norm_add", "norm_matmul"],
+            };
+            assert_eq!(fired, want, "{name} tokens {}", key.tokens);
+        }
+    }
+}
+
+/// Turning one rule off removes exactly the nodes it makes, and the graph still agrees with
+/// mlx-lm on the CPU.
+#[test]
+fn each_rule_has_a_switch() {
+    let name = "gemma3_text-q4";
+    for rule in RULES {
+        let mut o = common::fixture_options(DeviceKind::Cpu);
+        o.fuse = FuseOptions::without(rule).unwrap();
+        assert!(!o.fuse.enabled(rule) && RULES.iter().filter(|r| o.fuse.enabled(r)).count() == RULES.len() - 1);
+        let mut m = Model::load(common::fixture(name), o).unwrap();
+        for key in [GraphKey { tokens: 1, all_logits: false, sample: false }, GraphKey { tokens: 5, all_logits: true, sample: false }] {
+            let g = &m.graph(key).unwrap().graph;
+            assert!(g.op_nodes().all(|n| g.node(n).rule != Some(rule)), "{rule} off, yet it fused");
+        }
+        let mut o = common::fixture_options(DeviceKind::Cpu);
+        o.fuse = FuseOptions::without(rule).unwrap();
+        common::check_fixture_with(name, o);
+    }
+    assert!(FuseOptions::without("norm_add,bogus").unwrap_err().contains("bogus"));
+    assert_eq!(FuseOptions::without("all").unwrap(), FuseOptions::none());
+}
