@@ -5,6 +5,9 @@
 pub mod bench;
 pub mod cli;
 pub mod cpu;
+pub mod engine;
+pub mod exec;
+pub mod generate;
 pub mod gpu;
 pub mod inspect;
 pub mod loader;

@@ -178,11 +178,12 @@ fn one_submission_per_phase() {
         let opts = ModelOptions { device: DeviceKind::Gpu(None), max_context: 64, prefill_chunk: 32, ..Default::default() };
         let mut m = Model::load(common::fixture(name), opts).unwrap();
         let r = common::reference(name);
-        m.forward(&r.tokens[..7], false, None).unwrap();
-        let phases = m.graph(GraphKey { tokens: 7, all_logits: false, sample: false }).unwrap().schedule.phases.len();
+        // 8 tokens: one prefill step (prompts run in power-of-two steps below the chunk)
+        m.forward(&r.tokens[..8], false, None).unwrap();
+        let phases = m.graph(GraphKey { tokens: 8, all_logits: false, sample: false }).unwrap().schedule.phases.len();
         let s = m.gpu_stats().unwrap();
         assert_eq!(s.submits, phases, "{name}: prefill");
-        m.forward(&r.tokens[7..8], false, None).unwrap();
+        m.forward(&r.tokens[8..9], false, None).unwrap();
         let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false }).unwrap();
         let (phases, ops) = (c.schedule.phases.len(), c.schedule.phases.iter().map(|p| p.len()).sum::<usize>());
         let s = m.gpu_stats().unwrap();

@@ -3,7 +3,6 @@
 //! the kernel and model tests and the `cpu` backend of the benchmarks.
 
 use std::collections::HashMap;
-use std::rc::Rc;
 use std::sync::Arc;
 
 use petgraph::graph::NodeIndex;
@@ -19,8 +18,8 @@ use crate::weights::Weights;
 /// A value during execution.
 #[derive(Clone, Debug)]
 pub enum Val {
-    F(Rc<Vec<f32>>),
-    U(Rc<Vec<u32>>),
+    F(Arc<Vec<f32>>),
+    U(Arc<Vec<u32>>),
 }
 
 impl Val {
@@ -53,7 +52,7 @@ impl CpuState {
 /// Dequantized weights, cached per name.
 pub struct CpuWeights {
     pub weights: Arc<Weights>,
-    cache: HashMap<String, Rc<Vec<f32>>>,
+    cache: HashMap<String, Arc<Vec<f32>>>,
 }
 
 impl CpuWeights {
@@ -61,12 +60,12 @@ impl CpuWeights {
         CpuWeights { weights, cache: HashMap::new() }
     }
 
-    fn full(&mut self, name: &str) -> Result<Rc<Vec<f32>>, String> {
+    fn full(&mut self, name: &str) -> Result<Arc<Vec<f32>>, String> {
         if let Some(v) = self.cache.get(name) {
             return Ok(v.clone());
         }
         let w = self.weights.get(name).ok_or_else(|| format!("weight {name} not loaded"))?;
-        let v = Rc::new(quant::dequantize(w)?);
+        let v = Arc::new(quant::dequantize(w)?);
         self.cache.insert(name.to_string(), v.clone());
         Ok(v)
     }
@@ -116,13 +115,13 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
         let node = g.node(n);
         let v = match &node.kind {
             NodeKind::Input { input } => match input {
-                InputKind::Tokens => Val::U(Rc::new(tokens.to_vec())),
-                InputKind::Positions => Val::U(Rc::new(positions.to_vec())),
-                InputKind::SamplingParams => Val::U(Rc::new(step.sampling.to_vec())),
+                InputKind::Tokens => Val::U(Arc::new(tokens.to_vec())),
+                InputKind::Positions => Val::U(Arc::new(positions.to_vec())),
+                InputKind::SamplingParams => Val::U(Arc::new(step.sampling.to_vec())),
                 InputKind::RecentTokens => {
                     let mut r = step.recent.to_vec();
                     r.resize(node.ty.numel(), 0);
-                    Val::U(Rc::new(r))
+                    Val::U(Arc::new(r))
                 }
             },
             NodeKind::Weight { weight } => {
@@ -148,14 +147,14 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let d = node.ty.shape[1];
                         let mut r = w.rows(&wname(1).unwrap(), ids.u(), *clamp, d)?;
                         r.iter_mut().for_each(|x| *x *= scale);
-                        Val::F(Rc::new(r))
+                        Val::F(Arc::new(r))
                     }
                     Op::MatMul => {
                         let x = get(&vals, ins[0]);
                         let wt = weight_or_value(g, w, &vals, ins[1])?;
                         let (k, nn) = (g.node(ins[1]).ty.shape[1], g.node(ins[1]).ty.shape[0]);
                         ops::matmul(x.f(), &wt, k, nn, &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::GatherMatMul => {
                         let x = get(&vals, ins[0]);
@@ -173,11 +172,11 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                             let xr = if x_per_slot { &x.f()[r * k..(r + 1) * k] } else { &x.f()[(r / s) * k..(r / s + 1) * k] };
                             ops::matmul(xr, &wt[id * nn * k..(id + 1) * nn * k], k, nn, &mut out[r * nn..(r + 1) * nn]);
                         }
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::MoeGroup { experts } => {
                         let ids = get(&vals, ins[0]);
-                        Val::U(Rc::new(ops::moe_group(ids.u(), *experts)?))
+                        Val::U(Arc::new(ops::moe_group(ids.u(), *experts)?))
                     }
                     Op::GroupedMatMul => {
                         let x = get(&vals, ins[0]);
@@ -189,9 +188,9 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let x_bcast = g.node(ins[0]).ty.shape.len() == 2;
                         ops::grouped_matmul(x.f(), x_bcast, ids.u(), s, groups.u(), &wt, ws[1], ws[2], &mut out)
                             .map_err(|e| format!("node {}: {e}", node.name))?;
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
-                    Op::RmsNorm { eps, scale } => Val::F(Rc::new(normed_input(g, w, &vals, n, op, *eps, *scale)?)),
+                    Op::RmsNorm { eps, scale } => Val::F(Arc::new(normed_input(g, w, &vals, n, op, *eps, *scale)?)),
                     Op::RmsNormAdd { eps, scale, scaled } => {
                         let mut out = normed_input(g, w, &vals, n, op, *eps, *scale)?;
                         out.iter_mut().zip(get(&vals, ins[1]).f()).for_each(|(o, r)| *o += r);
@@ -199,7 +198,7 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                             let s = weight_or_value(g, w, &vals, ins[ins.len() - 1])?;
                             out.iter_mut().for_each(|o| *o *= s[0]);
                         }
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::NormGeGlu { eps, scale } => {
                         let k = g.node(ins[0]).ty.last();
@@ -210,7 +209,7 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::matmul(&xn, &weight_or_value(g, w, &vals, gi)?, k, n, &mut gate);
                         ops::matmul(&xn, &weight_or_value(g, w, &vals, ui)?, k, n, &mut out);
                         out.iter_mut().zip(&gate).for_each(|(u, &gt)| *u *= ops::gelu(gt));
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::NormMatMul { eps, scale } => {
                         let k = g.node(ins[0]).ty.last();
@@ -229,18 +228,18 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                             }
                             col += nw;
                         }
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::Rope { theta, factor, rotary_pairs } => {
                         let x = get(&vals, ins[0]);
                         let p = get(&vals, ins[1]);
                         let s = &node.ty.shape;
                         ops::rope(x.f(), p.u(), s[1], s[2], *theta, *factor, *rotary_pairs, &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::NormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
                         let rope = (*theta, *factor, *rotary_pairs);
-                        Val::F(Rc::new(norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *scale, rope)?))
+                        Val::F(Arc::new(norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *scale, rope)?))
                     }
                     Op::KvWrite { heads } => {
                         let xv = get(&vals, ins[0]);
@@ -251,7 +250,7 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let cache = state.caches.get_mut(&key).ok_or("state missing")?;
                         ops::kv_write(&x, p.u(), row, cache);
                         // The value is the cache; readers fetch it from the state.
-                        Val::F(Rc::new(vec![]))
+                        Val::F(Arc::new(vec![]))
                     }
                     Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
                         let p = get(&vals, ins[1]);
@@ -260,13 +259,13 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let rows = norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *scale, rope)?;
                         let cache = state.caches.get_mut(&state_key(g, ins[ins.len() - 1])).ok_or("state missing")?;
                         ops::kv_write(&rows, p.u(), s[1] * s[2], cache);
-                        Val::F(Rc::new(vec![]))
+                        Val::F(Arc::new(vec![]))
                     }
                     Op::Attention { scale, window } | Op::NormRopeAttention { scale, window, .. } => {
                         let q = match op {
                             Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, heads, .. } => {
                                 let rope = (*theta, *factor, *rotary_pairs);
-                                Val::F(Rc::new(norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *norm, rope)?))
+                                Val::F(Arc::new(norm_rope_heads(g, w, &vals, n, op.norm_weight_input(), *heads, *eps, *norm, rope)?))
                             }
                             _ => get(&vals, ins[0]).clone(),
                         };
@@ -292,30 +291,30 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let k = &state.caches[&state_key(g, ins[2])];
                         let v = &state.caches[&state_key(g, ins[3])];
                         ops::attention(q.f(), p.u(), k, v, nq, nkv, d, *scale, *window, &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::Binary { f } => {
                         let a = get(&vals, ins[0]);
                         let b = weight_or_value(g, w, &vals, ins[1])?;
                         ops::binary(*f, a.f(), &b, &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::Unary { f } => {
                         let x = get(&vals, ins[0]);
                         ops::unary(*f, x.f(), &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::GeGlu => {
                         let a = get(&vals, ins[0]);
                         let b = get(&vals, ins[1]);
                         ops::geglu(a.f(), b.f(), &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::TopK { k } => {
                         let l = get(&vals, ins[0]);
                         let mut o = vec![0u32; node.ty.numel()];
                         ops::top_k(l.f(), g.node(ins[0]).ty.shape[1], *k, &mut o);
-                        Val::U(Rc::new(o))
+                        Val::U(Arc::new(o))
                     }
                     Op::TopKSoftmax => {
                         let l = get(&vals, ins[0]);
@@ -323,27 +322,27 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let sc = if ins.len() > 2 { Some(weight_or_value(g, w, &vals, ins[2])?) } else { None };
                         let e = g.node(ins[0]).ty.shape[1];
                         ops::top_k_softmax(l.f(), e, ids.u(), node.ty.shape[1], sc.as_deref().map(|v| v.as_slice()), &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::WeightedSum => {
                         let x = get(&vals, ins[0]);
                         let wt = get(&vals, ins[1]);
                         let xs = &g.node(ins[0]).ty.shape;
                         ops::weighted_sum(x.f(), wt.f(), xs[1], xs[2], &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::Reshape { .. } => get(&vals, ins[0]),
                     Op::Slice { axis, start, len } => {
                         let x = get(&vals, ins[0]);
                         ops::slice(x.f(), &g.node(ins[0]).ty.shape, *axis, *start, *len, &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::Concat { axis } => {
                         let parts: Vec<Val> = ins.iter().map(|&i| get(&vals, i)).collect();
                         let p: Vec<(&[f32], usize)> =
                             parts.iter().zip(&ins).map(|(v, &i)| (v.f(), g.node(i).ty.shape[*axis])).collect();
                         ops::concat(&p, &node.ty.shape, *axis, &mut out);
-                        Val::F(Rc::new(out))
+                        Val::F(Arc::new(out))
                     }
                     Op::Sample => {
                         let l = get(&vals, ins[0]);
@@ -353,13 +352,13 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let r = get(&vals, ins[2]);
                         let mut pw = [0u32; 8];
                         pw.copy_from_slice(&p.u()[..8]);
-                        Val::U(Rc::new(vec![ops::sample(last, &pw, r.u())]))
+                        Val::U(Arc::new(vec![ops::sample(last, &pw, r.u())]))
                     }
                     Op::Argmax => {
                         let l = get(&vals, ins[0]);
                         let v = g.node(ins[0]).ty.shape[1];
                         let last = &l.f()[l.f().len() - v..];
-                        Val::U(Rc::new(vec![ops::argmax(last)]))
+                        Val::U(Arc::new(vec![ops::argmax(last)]))
                     }
                 }
             }
@@ -441,7 +440,7 @@ fn weight_or_value(
     w: &mut CpuWeights,
     vals: &[Option<Val>],
     n: NodeIndex,
-) -> Result<Rc<Vec<f32>>, String> {
+) -> Result<Arc<Vec<f32>>, String> {
     match g.node(n).weight() {
         Some(p) => w.full(&p.name),
         None => match vals[n.index()].clone() {

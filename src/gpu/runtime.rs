@@ -23,7 +23,7 @@ use crate::gpu::kernels::{
     attention_splits, ArgmaxParams, CopyParams, ElementwiseParams, Kernel, Kernels, MatMulDims,
 };
 use crate::gpu::weights::{upload_vector, upload_weight, GpuWeight};
-use crate::model::{Executor, GraphKey, StepOutput};
+use crate::exec::{Executor, GraphKey, StepOutput};
 use crate::weights::Weights;
 
 /// One recorded dispatch.
@@ -54,25 +54,7 @@ struct Prepared {
     queries: Option<(Profile, Queries)>,
 }
 
-/// Timestamp profiling of steps.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Profile {
-    #[default]
-    Off,
-    /// GPU time of each phase (timestamps at pass boundaries).
-    Phases,
-    /// GPU time of each dispatch (timestamps inside passes, where the adapter has them).
-    Kernels,
-}
-
-/// GPU times of the last profiled step.
-#[derive(Clone, Debug, Default)]
-pub struct ProfileResult {
-    /// Seconds per phase.
-    pub phases: Vec<f64>,
-    /// (node index, seconds) per dispatch, in execution order (Kernels level).
-    pub dispatches: Vec<(NodeIndex, f64)>,
-}
+pub use crate::exec::{Profile, ProfileResult, StepStats};
 
 struct Queries {
     set: wgpu::QuerySet,
@@ -94,22 +76,48 @@ struct InFlight {
     submission: Option<wgpu::SubmissionIndex>,
 }
 
-/// Counters of the last step (for tests and benchmarks).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct StepStats {
-    pub submits: usize,
-    pub dispatches: usize,
-    pub phases: usize,
-    /// CPU time spent encoding and submitting, in seconds.
-    pub encode_s: f64,
+/// What the sequences of one model share on a GPU: the device, the kernel cache and the
+/// weights as stored. Cloning it clones handles.
+#[derive(Clone)]
+pub struct GpuShared {
+    pub gpu: Arc<Gpu>,
+    pub kernels: Arc<Kernels>,
+    mats: Arc<HashMap<String, GpuWeight>>,
+    vecs: Arc<HashMap<String, (wgpu::Buffer, FloatType)>>,
+    check_nan: bool,
 }
 
-/// Runs compiled graphs on a GPU.
+impl GpuShared {
+    /// Opens the device and uploads every weight as stored.
+    pub fn new(backend: Option<Backend>, weights: &Weights, check_nan: bool) -> Result<Self, String> {
+        let gpu = Gpu::with_options(&GpuOptions { backend, ..Default::default() }).map_err(err)?;
+        Self::with_gpu(gpu, weights, check_nan, None)
+    }
+
+    /// As [`GpuShared::new`] on an opened device; `max_chunk_bytes` forces
+    /// small weight chunks (tests of the chunked path).
+    pub fn with_gpu(gpu: Gpu, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
+        let kernels = Kernels::for_gpu(&gpu).map_err(err)?;
+        let mut mats = HashMap::new();
+        let mut vecs = HashMap::new();
+        for (name, w) in &weights.map {
+            if w.param.module {
+                mats.insert(name.clone(), upload_weight(&gpu, w, max_chunk_bytes).map_err(err)?);
+            } else {
+                vecs.insert(name.clone(), upload_vector(&gpu, &w.weight, name).map_err(err)?);
+            }
+        }
+        Ok(GpuShared { gpu: Arc::new(gpu), kernels: Arc::new(kernels), mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan })
+    }
+}
+
+/// Runs compiled graphs for one sequence on a GPU: its KV caches, its prepared graphs (pool
+/// buffers, bind groups) and its steps in flight, over the shared device and weights.
 pub struct GpuExecutor {
-    pub gpu: Gpu,
-    pub kernels: Kernels,
-    mats: HashMap<String, GpuWeight>,
-    vecs: HashMap<String, (wgpu::Buffer, FloatType)>,
+    pub gpu: Arc<Gpu>,
+    pub kernels: Arc<Kernels>,
+    mats: Arc<HashMap<String, GpuWeight>>,
+    vecs: Arc<HashMap<String, (wgpu::Buffer, FloatType)>>,
     states: HashMap<StateKind, wgpu::Buffer>,
     prepared: HashMap<GraphKey, Prepared>,
     check_nan: bool,
@@ -129,39 +137,27 @@ fn err<E: std::fmt::Display>(e: E) -> String {
 }
 
 impl GpuExecutor {
-    /// Opens the device and uploads every weight as stored.
+    /// Opens the device and uploads every weight as stored (a sequence of its own).
     pub fn new(backend: Option<Backend>, weights: Arc<Weights>, check_nan: bool) -> Result<Self, String> {
-        let gpu = Gpu::with_options(&GpuOptions { backend, ..Default::default() }).map_err(err)?;
-        Self::with_gpu(gpu, &weights, check_nan, None)
+        Ok(Self::for_session(&GpuShared::new(backend, &weights, check_nan)?))
     }
 
-    /// As [`GpuExecutor::new`] on an opened device; `max_chunk_bytes` forces
-    /// small weight chunks (tests of the chunked path).
-    pub fn with_gpu(gpu: Gpu, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
-        let kernels = Kernels::for_gpu(&gpu).map_err(err)?;
-        let mut mats = HashMap::new();
-        let mut vecs = HashMap::new();
-        for (name, w) in &weights.map {
-            if w.param.module {
-                mats.insert(name.clone(), upload_weight(&gpu, w, max_chunk_bytes).map_err(err)?);
-            } else {
-                vecs.insert(name.clone(), upload_vector(&gpu, &w.weight, name).map_err(err)?);
-            }
-        }
-        Ok(GpuExecutor {
-            gpu,
-            kernels,
-            mats,
-            vecs,
+    /// A new sequence on shared device state.
+    pub fn for_session(s: &GpuShared) -> Self {
+        GpuExecutor {
+            gpu: s.gpu.clone(),
+            kernels: s.kernels.clone(),
+            mats: s.mats.clone(),
+            vecs: s.vecs.clone(),
             states: HashMap::new(),
             prepared: HashMap::new(),
-            check_nan,
+            check_nan: s.check_nan,
             profile: Profile::Off,
             profiled: ProfileResult::default(),
             last: StepStats::default(),
             total_submits: 0,
             in_flight: Default::default(),
-        })
+        }
     }
 
     pub fn adapter_summary(&self) -> String {
@@ -923,7 +919,20 @@ impl Executor for GpuExecutor {
         format!("gpu: {}", self.gpu.info.summary())
     }
 
-    fn as_gpu(&mut self) -> Option<&mut GpuExecutor> {
-        Some(self)
+    fn stats(&self) -> Option<StepStats> {
+        Some(self.last)
+    }
+
+    fn kernels(&self, key: GraphKey) -> Option<Vec<(NodeIndex, String)>> {
+        self.dispatch_kernels(key)
+    }
+
+    fn set_profile(&mut self, p: Profile) -> bool {
+        self.profile = p;
+        true
+    }
+
+    fn profile(&self) -> Option<ProfileResult> {
+        Some(self.profiled.clone())
     }
 }

@@ -1,0 +1,448 @@
+//! The high-level API: an [`Engine`] holds what every sequence of one model shares (config,
+//! tokenizer, weights on the device, the kernel cache, compiled graphs) and is shared through
+//! `Arc` (`Send + Sync`); a [`Session`] is one sequence on it (its KV caches, position and
+//! sampler state). Many sessions run on one engine, each as if alone.
+//!
+//! ```no_run
+//! use markbase::engine::{Engine, ModelOptions};
+//! let engine = Engine::load("models/gemma3-270m-q4", ModelOptions::default())?;
+//! let (mut a, mut b) = (engine.session()?, engine.session()?);
+//! let la = a.logits(&[2, 818, 5279])?;
+//! let lb = b.logits(&[2, 1437])?;
+//! # Ok::<(), String>(())
+//! ```
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use markbase_graph::builder::{BuildOptions, Outputs, RECENT_TOKENS};
+use markbase_graph::ir::{Graph, GraphKind};
+use markbase_graph::passes::{compile, Compiled, PhasePolicy};
+use markbase_graph::{FuseOptions, ModelConfig};
+
+use crate::cpu::exec::StepInputs;
+pub use crate::cpu::ops::SampleParams;
+use crate::exec::{CpuExecutor, Executor, GraphKey, Profile, ProfileResult, StepOutput, StepStats};
+use crate::gpu::runtime::{GpuExecutor, GpuShared};
+use crate::loader::{Checkpoint, LoadOptions, ProgressFn};
+use crate::tokenizer::Tokenizer;
+use crate::weights::Weights;
+
+/// Where the graph runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The CPU reference executor (f32, slow, exact).
+    Cpu,
+    /// wgpu on the given backend (`None` = the platform's best, or `MARKBASE_BACKEND`).
+    Gpu(Option<crate::gpu::device::Backend>),
+}
+
+/// Options of [`Engine::load`] (and [`Session::load`]).
+pub struct ModelOptions {
+    pub device: DeviceKind,
+    /// Longest sequence (KV cache of full-attention layers).
+    pub max_context: usize,
+    /// Longest prefill chunk; longer prompts are processed in chunks.
+    pub prefill_chunk: usize,
+    /// Progress of weight loading `(bytes, total)`.
+    pub progress: Option<Box<ProgressFn>>,
+    /// Debug: one submission per node, each output checked for NaN/Inf (GPU).
+    pub check_nan: bool,
+    /// The fusion rules compiled graphs run (all by default; none: the graphs as built).
+    pub fuse: FuseOptions,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            device: DeviceKind::Gpu(None),
+            max_context: 4096,
+            prefill_chunk: 256,
+            progress: None,
+            check_nan: false,
+            fuse: FuseOptions::all(),
+        }
+    }
+}
+
+/// The device side an engine's sessions share.
+enum Device {
+    Cpu,
+    Gpu(GpuShared),
+}
+
+/// One model, ready to run: shared by its sessions.
+pub struct Engine {
+    pub config: ModelConfig,
+    checkpoint: Option<Checkpoint>,
+    weights: Arc<Weights>,
+    tokenizer: Option<Tokenizer>,
+    device: Device,
+    /// Compiled graphs by key, built on first use.
+    graphs: Mutex<HashMap<GraphKey, Arc<Compiled>>>,
+    max_context: usize,
+    chunk: usize,
+    fuse: FuseOptions,
+}
+
+impl Engine {
+    /// Opens a checkpoint directory, checks and loads the weights, and prepares the device.
+    pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Arc<Engine>, String> {
+        let dir = dir.as_ref();
+        let ck = Checkpoint::open(dir).map_err(|e| e.to_string())?;
+        let probe = ck.build(BuildOptions::decode(opts.max_context, opts.prefill_chunk.min(opts.max_context))).map_err(|e| e.to_string())?;
+        let lo = LoadOptions { progress: opts.progress.as_deref() };
+        let (weights, _report) = ck.load_weights_with(&probe, &lo).map_err(|e| e.to_string())?;
+        let tokenizer = if dir.join("tokenizer.json").exists() {
+            Some(Tokenizer::load(dir, ck.config().bos_token_id, &ck.config().eos_token_ids)?)
+        } else {
+            None
+        };
+        let config = ck.config().clone();
+        Self::new(config, Some(ck), Arc::new(weights), tokenizer, &opts)
+    }
+
+    /// An engine from a config and weights already in memory (synthetic models).
+    pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, String> {
+        Self::new(config, None, weights, tokenizer, opts)
+    }
+
+    fn new(
+        config: ModelConfig,
+        checkpoint: Option<Checkpoint>,
+        weights: Arc<Weights>,
+        tokenizer: Option<Tokenizer>,
+        opts: &ModelOptions,
+    ) -> Result<Arc<Engine>, String> {
+        if opts.prefill_chunk == 0 || opts.max_context == 0 {
+            return Err("max_context and prefill_chunk must be > 0".into());
+        }
+        let device = match opts.device {
+            DeviceKind::Cpu => Device::Cpu,
+            DeviceKind::Gpu(b) => Device::Gpu(GpuShared::new(b, &weights, opts.check_nan)?),
+        };
+        Ok(Arc::new(Engine {
+            config,
+            checkpoint,
+            weights,
+            tokenizer,
+            device,
+            graphs: Mutex::new(HashMap::new()),
+            max_context: opts.max_context,
+            chunk: opts.prefill_chunk.min(opts.max_context),
+            fuse: opts.fuse.clone(),
+        }))
+    }
+
+    /// A new sequence on this engine.
+    pub fn session(self: &Arc<Self>) -> Result<Session, String> {
+        let exec: Box<dyn Executor> = match &self.device {
+            Device::Cpu => Box::new(CpuExecutor::new(self.weights.clone())),
+            Device::Gpu(shared) => Box::new(GpuExecutor::for_session(shared)),
+        };
+        Ok(Session {
+            config: self.config.clone(),
+            engine: self.clone(),
+            exec,
+            graphs: HashMap::new(),
+            history: vec![],
+            steps: 0,
+            runs: 0,
+            unread: Default::default(),
+        })
+    }
+
+    pub fn tokenizer(&self) -> Result<&Tokenizer, String> {
+        self.tokenizer.as_ref().ok_or_else(|| "this checkpoint has no tokenizer.json".to_string())
+    }
+
+    pub(crate) fn tokenizer_opt(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// Longest sequence a session holds.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// Longest prefill step.
+    pub fn prefill_chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Compiled graphs so far (one per key; prompts are cut into a bounded set of step sizes).
+    pub fn compiled_graphs(&self) -> usize {
+        self.graphs.lock().map(|g| g.len()).unwrap_or(0)
+    }
+
+    /// The compiled graph for `key` (built on first use).
+    pub fn graph(&self, key: GraphKey) -> Result<Arc<Compiled>, String> {
+        let mut graphs = self.graphs.lock().map_err(|_| "the engine's graph cache is poisoned".to_string())?;
+        if let Some(c) = graphs.get(&key) {
+            return Ok(c.clone());
+        }
+        let mut o = if key.tokens == 1 && !key.all_logits {
+            BuildOptions::decode(self.max_context, self.chunk)
+        } else {
+            let mut o = BuildOptions::prefill(key.tokens, self.max_context);
+            o.chunk = self.chunk;
+            o
+        };
+        o.outputs = if key.all_logits { Outputs::AllLogits } else { Outputs::LastLogits };
+        o.sample = key.sample;
+        o.kind = if key.tokens == 1 { GraphKind::Decode } else { GraphKind::Prefill };
+        o.fuse = self.fuse.clone();
+        let g: Graph = match &self.checkpoint {
+            Some(ck) => ck.build(o).map_err(|e| e.to_string())?,
+            None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| e.to_string())?,
+        };
+        // Decode: one submission per step (the next step is encoded while this one
+        // runs); prefill: the layers are submitted before the head is encoded.
+        let policy = if key.tokens == 1 { PhasePolicy::Step } else { PhasePolicy::EmbedLayersHead };
+        let c = Arc::new(compile(g, policy).map_err(|e| e.to_string())?);
+        graphs.insert(key, c.clone());
+        Ok(c)
+    }
+}
+
+/// The step sizes a prompt of `n` tokens runs in: full chunks, then the rest as decreasing
+/// powers of two, so that any prompt needs at most `log2(chunk) + 2` distinct graphs.
+pub fn prefill_steps(n: usize, chunk: usize) -> Vec<usize> {
+    let mut steps = vec![chunk; n / chunk];
+    let mut rest = n % chunk;
+    while rest > 0 {
+        let p = 1 << (usize::BITS - 1 - rest.leading_zeros());
+        steps.push(p);
+        rest -= p;
+    }
+    steps
+}
+
+/// One sequence on an [`Engine`].
+pub struct Session {
+    pub config: ModelConfig,
+    engine: Arc<Engine>,
+    exec: Box<dyn Executor>,
+    /// The engine's graphs this session has run.
+    graphs: HashMap<GraphKey, Arc<Compiled>>,
+    /// Tokens of the current sequence (their K/V are in the caches).
+    history: Vec<u32>,
+    /// Steps run so far in this sequence (the sampler's counter).
+    steps: u32,
+    /// Graph executions, for tests and benchmarks.
+    pub runs: usize,
+    /// History slots of device-fed tokens not read back yet (pipelined decode).
+    unread: std::collections::VecDeque<usize>,
+}
+
+impl Session {
+    /// A session on an engine of its own (the one-sequence API).
+    pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Session, String> {
+        Engine::load(dir, opts)?.session()
+    }
+
+    /// A session on an engine of its own, from a config and weights in memory.
+    pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Session, String> {
+        Engine::from_parts(config, weights, tokenizer, opts)?.session()
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    pub fn tokenizer(&self) -> Result<&Tokenizer, String> {
+        self.engine.tokenizer()
+    }
+
+    pub fn weights(&self) -> &Weights {
+        self.engine.weights()
+    }
+
+    pub fn device(&self) -> String {
+        self.exec.describe()
+    }
+
+    /// Longest sequence this session holds.
+    pub fn max_context(&self) -> usize {
+        self.engine.max_context
+    }
+
+    /// Counters of the last GPU step (submits, dispatches, encode time).
+    pub fn gpu_stats(&mut self) -> Option<StepStats> {
+        self.exec.stats()
+    }
+
+    /// The kernel of each GPU dispatch of graph `key` (once a step has run it).
+    pub fn gpu_kernels(&mut self, key: GraphKey) -> Option<Vec<(petgraph::graph::NodeIndex, String)>> {
+        self.exec.kernels(key)
+    }
+
+    /// Sets timestamp profiling of the following GPU steps; false where the device has none.
+    pub fn set_profile(&mut self, p: Profile) -> bool {
+        self.exec.set_profile(p)
+    }
+
+    /// GPU times of the last profiled step.
+    pub fn gpu_profile(&mut self) -> Option<ProfileResult> {
+        self.exec.profile()
+    }
+
+    /// Tokens in the current sequence.
+    pub fn position(&self) -> usize {
+        self.history.len()
+    }
+
+    /// Starts a new sequence.
+    pub fn reset(&mut self) {
+        self.history.clear();
+        self.unread.clear();
+        self.steps = 0;
+        self.exec.reset();
+    }
+
+    /// Whether decode steps can be pipelined (GPU, no repetition penalty needing the host's history).
+    pub fn can_pipeline(&self, s: &SampleParams) -> bool {
+        self.exec.pipelines() && s.repetition_penalty == 1.0
+    }
+
+    /// Submits a decode step without waiting for it. `token`: the input token, or
+    /// `None` for the token the previous decode step produced (kept on the device).
+    pub fn submit_decode(&mut self, token: Option<u32>, s: &SampleParams) -> Result<(), String> {
+        if self.history.len() + 1 > self.engine.max_context {
+            return Err(format!("context full: max_context {}", self.engine.max_context));
+        }
+        // greedy steps take the argmax (many workgroups) instead of the sampler (one)
+        let key = GraphKey { tokens: 1, all_logits: false, sample: !s.is_greedy() };
+        self.graph(key)?;
+        let pos = [self.history.len() as u32];
+        let tok = [token.unwrap_or(0)];
+        let words = s.words(self.steps, 0);
+        let step = StepInputs { tokens: &tok, positions: &pos, sampling: words, recent: &[] };
+        self.exec.submit(key, &self.graphs[&key], &step, token.is_none())?;
+        if token.is_none() {
+            self.unread.push_back(self.history.len());
+        }
+        self.history.push(tok[0]);
+        self.steps += 1;
+        self.runs += 1;
+        Ok(())
+    }
+
+    /// Waits for the oldest submitted decode step; returns its token.
+    pub fn take_decode(&mut self) -> Result<u32, String> {
+        let t = self.exec.take()?;
+        if let Some(i) = self.unread.pop_front() {
+            self.history[i] = t;
+        }
+        Ok(t)
+    }
+
+    /// The compiled graph for `key` (the engine's, built on first use).
+    pub fn graph(&mut self, key: GraphKey) -> Result<&Compiled, String> {
+        if !self.graphs.contains_key(&key) {
+            let c = self.engine.graph(key)?;
+            self.graphs.insert(key, c);
+        }
+        Ok(&self.graphs[&key])
+    }
+
+    /// Feeds `ids` after the current sequence, in steps of [`prefill_steps`]. Returns the
+    /// output of the last step (its last position's token); with `all_logits`, the logits of
+    /// every fed position are concatenated.
+    pub fn forward(&mut self, ids: &[u32], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, String> {
+        if ids.is_empty() {
+            return Err("no tokens to process".into());
+        }
+        let vocab = self.config.vocab_size as u32;
+        if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
+            return Err(format!("token id {bad} is outside the vocabulary ({vocab})"));
+        }
+        let max_context = self.engine.max_context;
+        if self.history.len() + ids.len() > max_context {
+            return Err(format!("context full: {} + {} tokens exceed max_context {max_context}", self.history.len(), ids.len()));
+        }
+        let mut all = vec![];
+        let mut last = StepOutput::default();
+        let mut start = 0;
+        for n in prefill_steps(ids.len(), self.engine.chunk) {
+            let chunk = &ids[start..start + n];
+            start += n;
+            let key = GraphKey { tokens: n, all_logits, sample: sampling.is_some_and(|s| !s.is_greedy()) };
+            self.graph(key)?;
+            let p0 = self.history.len() as u32;
+            let positions: Vec<u32> = (p0..p0 + n as u32).collect();
+            let mut recent: Vec<u32> = self.history.iter().chain(chunk.iter()).rev().take(RECENT_TOKENS).cloned().collect();
+            recent.reverse();
+            let words = sampling.map(|s| s.words(self.steps, recent.len() as u32)).unwrap_or_default();
+            let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent };
+            last = self.exec.run(key, &self.graphs[&key], &step, all_logits)?;
+            self.runs += 1;
+            self.steps += 1;
+            self.history.extend_from_slice(chunk);
+            if all_logits {
+                all.extend(last.logits.take().unwrap_or_default());
+            }
+        }
+        if all_logits {
+            last.logits = Some(all);
+        }
+        Ok(last)
+    }
+
+    /// Logits `[len][V]` of every position of `ids`, as a fresh sequence.
+    pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<Vec<f32>>, String> {
+        self.reset();
+        let out = self.forward(ids, true, None)?;
+        let v = self.config.vocab_size;
+        Ok(out.logits.unwrap_or_default().chunks(v).map(|c| c.to_vec()).collect())
+    }
+}
+
+/// Weight formats read from weights already in memory.
+struct WeightsResolver<'a>(&'a Weights);
+
+impl markbase_graph::builder::WeightResolver for WeightsResolver<'_> {
+    fn format(&self, name: &str, _shape: &[usize], _module: bool) -> markbase_graph::WeightFormat {
+        self.0
+            .get(name)
+            .map(|w| w.param.format)
+            .unwrap_or(markbase_graph::WeightFormat::Float { dtype: markbase_graph::FloatType::Bf16 })
+    }
+    fn exists(&self, name: &str) -> bool {
+        self.0.get(name).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engines_are_shared_and_sessions_move() {
+        fn shared<T: Send + Sync>() {}
+        fn movable<T: Send>() {}
+        shared::<Engine>();
+        shared::<Arc<Engine>>();
+        movable::<Session>();
+    }
+
+    #[test]
+    fn prompts_run_in_few_step_sizes() {
+        assert_eq!(prefill_steps(24, 32), [16, 8]);
+        assert_eq!(prefill_steps(64, 32), [32, 32]);
+        assert_eq!(prefill_steps(77, 32), [32, 32, 8, 4, 1]);
+        assert_eq!(prefill_steps(1, 256), [1]);
+        let mut sizes: Vec<usize> = (1..=1000).flat_map(|n| prefill_steps(n, 256)).collect();
+        for n in 1..=1000 {
+            assert_eq!(prefill_steps(n, 256).iter().sum::<usize>(), n);
+        }
+        sizes.sort_unstable();
+        sizes.dedup();
+        assert_eq!(sizes, [1, 2, 4, 8, 16, 32, 64, 128, 256]);
+    }
+}
