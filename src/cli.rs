@@ -73,7 +73,7 @@ pub fn load_model(dir: &Path, device: DeviceKind, max_context: usize, check_nan:
     let opts = ModelOptions { device, max_context, progress: Some(progress), check_nan, ..Default::default() };
     let m = Model::load(dir, opts);
     bar.finish_and_clear();
-    m
+    Ok(m?)
 }
 
 /// Options shared by `generate` and `chat`.

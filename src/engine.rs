@@ -9,7 +9,7 @@
 //! let (mut a, mut b) = (engine.session()?, engine.session()?);
 //! let la = a.logits(&[2, 818, 5279])?;
 //! let lb = b.logits(&[2, 1437])?;
-//! # Ok::<(), String>(())
+//! # Ok::<(), markbase::engine::Error>(())
 //! ```
 
 use std::collections::HashMap;
@@ -22,6 +22,7 @@ use markbase_graph::passes::{compile, Compiled, PhasePolicy};
 use markbase_graph::{FuseOptions, ModelConfig};
 
 use crate::cpu::exec::StepInputs;
+pub use crate::error::Error;
 pub use crate::cpu::ops::SampleParams;
 use crate::exec::{CpuExecutor, Executor, GraphKey, Profile, ProfileResult, StepOutput, StepStats};
 use crate::gpu::runtime::{GpuExecutor, GpuShared};
@@ -88,14 +89,14 @@ pub struct Engine {
 
 impl Engine {
     /// Opens a checkpoint directory, checks and loads the weights, and prepares the device.
-    pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Arc<Engine>, String> {
+    pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Arc<Engine>, Error> {
         let dir = dir.as_ref();
-        let ck = Checkpoint::open(dir).map_err(|e| e.to_string())?;
-        let probe = ck.build(BuildOptions::decode(opts.max_context, opts.prefill_chunk.min(opts.max_context))).map_err(|e| e.to_string())?;
+        let ck = Checkpoint::open(dir)?;
+        let probe = ck.build(BuildOptions::decode(opts.max_context, opts.prefill_chunk.min(opts.max_context)))?;
         let lo = LoadOptions { progress: opts.progress.as_deref() };
-        let (weights, _report) = ck.load_weights_with(&probe, &lo).map_err(|e| e.to_string())?;
+        let (weights, _report) = ck.load_weights_with(&probe, &lo)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
-            Some(Tokenizer::load(dir, ck.config().bos_token_id, &ck.config().eos_token_ids)?)
+            Some(Tokenizer::load(dir, ck.config().bos_token_id, &ck.config().eos_token_ids).map_err(Error::Load)?)
         } else {
             None
         };
@@ -104,7 +105,7 @@ impl Engine {
     }
 
     /// An engine from a config and weights already in memory (synthetic models).
-    pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, String> {
+    pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
         Self::new(config, None, weights, tokenizer, opts)
     }
 
@@ -114,13 +115,13 @@ impl Engine {
         weights: Arc<Weights>,
         tokenizer: Option<Tokenizer>,
         opts: &ModelOptions,
-    ) -> Result<Arc<Engine>, String> {
+    ) -> Result<Arc<Engine>, Error> {
         if opts.prefill_chunk == 0 || opts.max_context == 0 {
-            return Err("max_context and prefill_chunk must be > 0".into());
+            return Err(Error::Input("max_context and prefill_chunk must be > 0".into()));
         }
         let device = match opts.device {
             DeviceKind::Cpu => Device::Cpu,
-            DeviceKind::Gpu(b) => Device::Gpu(GpuShared::new(b, &weights, opts.check_nan)?),
+            DeviceKind::Gpu(b) => Device::Gpu(GpuShared::new(b, &weights, opts.check_nan).map_err(Error::Device)?),
         };
         Ok(Arc::new(Engine {
             config,
@@ -136,7 +137,7 @@ impl Engine {
     }
 
     /// A new sequence on this engine.
-    pub fn session(self: &Arc<Self>) -> Result<Session, String> {
+    pub fn session(self: &Arc<Self>) -> Result<Session, Error> {
         let exec: Box<dyn Executor> = match &self.device {
             Device::Cpu => Box::new(CpuExecutor::new(self.weights.clone())),
             Device::Gpu(shared) => Box::new(GpuExecutor::for_session(shared)),
@@ -153,8 +154,8 @@ impl Engine {
         })
     }
 
-    pub fn tokenizer(&self) -> Result<&Tokenizer, String> {
-        self.tokenizer.as_ref().ok_or_else(|| "this checkpoint has no tokenizer.json".to_string())
+    pub fn tokenizer(&self) -> Result<&Tokenizer, Error> {
+        self.tokenizer.as_ref().ok_or_else(|| Error::Load("this checkpoint has no tokenizer.json".into()))
     }
 
     pub(crate) fn tokenizer_opt(&self) -> Option<&Tokenizer> {
@@ -181,8 +182,8 @@ impl Engine {
     }
 
     /// The compiled graph for `key` (built on first use).
-    pub fn graph(&self, key: GraphKey) -> Result<Arc<Compiled>, String> {
-        let mut graphs = self.graphs.lock().map_err(|_| "the engine's graph cache is poisoned".to_string())?;
+    pub fn graph(&self, key: GraphKey) -> Result<Arc<Compiled>, Error> {
+        let mut graphs = self.graphs.lock().map_err(|_| Error::Device("the engine's graph cache is poisoned".into()))?;
         if let Some(c) = graphs.get(&key) {
             return Ok(c.clone());
         }
@@ -198,13 +199,13 @@ impl Engine {
         o.kind = if key.tokens == 1 { GraphKind::Decode } else { GraphKind::Prefill };
         o.fuse = self.fuse.clone();
         let g: Graph = match &self.checkpoint {
-            Some(ck) => ck.build(o).map_err(|e| e.to_string())?,
-            None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| e.to_string())?,
+            Some(ck) => ck.build(o)?,
+            None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| Error::Config(e.to_string()))?,
         };
         // Decode: one submission per step (the next step is encoded while this one
         // runs); prefill: the layers are submitted before the head is encoded.
         let policy = if key.tokens == 1 { PhasePolicy::Step } else { PhasePolicy::EmbedLayersHead };
-        let c = Arc::new(compile(g, policy).map_err(|e| e.to_string())?);
+        let c = Arc::new(compile(g, policy).map_err(|e| Error::Config(e.to_string()))?);
         graphs.insert(key, c.clone());
         Ok(c)
     }
@@ -242,12 +243,12 @@ pub struct Session {
 
 impl Session {
     /// A session on an engine of its own (the one-sequence API).
-    pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Session, String> {
+    pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Session, Error> {
         Engine::load(dir, opts)?.session()
     }
 
     /// A session on an engine of its own, from a config and weights in memory.
-    pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Session, String> {
+    pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Session, Error> {
         Engine::from_parts(config, weights, tokenizer, opts)?.session()
     }
 
@@ -255,7 +256,7 @@ impl Session {
         &self.engine
     }
 
-    pub fn tokenizer(&self) -> Result<&Tokenizer, String> {
+    pub fn tokenizer(&self) -> Result<&Tokenizer, Error> {
         self.engine.tokenizer()
     }
 
@@ -312,9 +313,9 @@ impl Session {
 
     /// Submits a decode step without waiting for it. `token`: the input token, or
     /// `None` for the token the previous decode step produced (kept on the device).
-    pub fn submit_decode(&mut self, token: Option<u32>, s: &SampleParams) -> Result<(), String> {
+    pub fn submit_decode(&mut self, token: Option<u32>, s: &SampleParams) -> Result<(), Error> {
         if self.history.len() + 1 > self.engine.max_context {
-            return Err(format!("context full: max_context {}", self.engine.max_context));
+            return Err(Error::Input(format!("context full: max_context {}", self.engine.max_context)));
         }
         // greedy steps take the argmax (many workgroups) instead of the sampler (one)
         let key = GraphKey { tokens: 1, all_logits: false, sample: !s.is_greedy() };
@@ -323,7 +324,7 @@ impl Session {
         let tok = [token.unwrap_or(0)];
         let words = s.words(self.steps, 0);
         let step = StepInputs { tokens: &tok, positions: &pos, sampling: words, recent: &[] };
-        self.exec.submit(key, &self.graphs[&key], &step, token.is_none())?;
+        self.exec.submit(key, &self.graphs[&key], &step, token.is_none()).map_err(Error::Device)?;
         if token.is_none() {
             self.unread.push_back(self.history.len());
         }
@@ -334,8 +335,8 @@ impl Session {
     }
 
     /// Waits for the oldest submitted decode step; returns its token.
-    pub fn take_decode(&mut self) -> Result<u32, String> {
-        let t = self.exec.take()?;
+    pub fn take_decode(&mut self) -> Result<u32, Error> {
+        let t = self.exec.take().map_err(Error::Device)?;
         if let Some(i) = self.unread.pop_front() {
             self.history[i] = t;
         }
@@ -343,7 +344,7 @@ impl Session {
     }
 
     /// The compiled graph for `key` (the engine's, built on first use).
-    pub fn graph(&mut self, key: GraphKey) -> Result<&Compiled, String> {
+    pub fn graph(&mut self, key: GraphKey) -> Result<&Compiled, Error> {
         if !self.graphs.contains_key(&key) {
             let c = self.engine.graph(key)?;
             self.graphs.insert(key, c);
@@ -354,17 +355,17 @@ impl Session {
     /// Feeds `ids` after the current sequence, in steps of [`prefill_steps`]. Returns the
     /// output of the last step (its last position's token); with `all_logits`, the logits of
     /// every fed position are concatenated.
-    pub fn forward(&mut self, ids: &[u32], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, String> {
+    pub fn forward(&mut self, ids: &[u32], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, Error> {
         if ids.is_empty() {
-            return Err("no tokens to process".into());
+            return Err(Error::Input("no tokens to process".into()));
         }
         let vocab = self.config.vocab_size as u32;
         if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
-            return Err(format!("token id {bad} is outside the vocabulary ({vocab})"));
+            return Err(Error::Input(format!("token id {bad} is outside the vocabulary ({vocab})")));
         }
         let max_context = self.engine.max_context;
         if self.history.len() + ids.len() > max_context {
-            return Err(format!("context full: {} + {} tokens exceed max_context {max_context}", self.history.len(), ids.len()));
+            return Err(Error::Input(format!("context full: {} + {} tokens exceed max_context {max_context}", self.history.len(), ids.len())));
         }
         let mut all = vec![];
         let mut last = StepOutput::default();
@@ -380,7 +381,7 @@ impl Session {
             recent.reverse();
             let words = sampling.map(|s| s.words(self.steps, recent.len() as u32)).unwrap_or_default();
             let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent };
-            last = self.exec.run(key, &self.graphs[&key], &step, all_logits)?;
+            last = self.exec.run(key, &self.graphs[&key], &step, all_logits).map_err(Error::Device)?;
             self.runs += 1;
             self.steps += 1;
             self.history.extend_from_slice(chunk);
@@ -395,7 +396,7 @@ impl Session {
     }
 
     /// Logits `[len][V]` of every position of `ids`, as a fresh sequence.
-    pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<Vec<f32>>, String> {
+    pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<Vec<f32>>, Error> {
         self.reset();
         let out = self.forward(ids, true, None)?;
         let v = self.config.vocab_size;

@@ -2,7 +2,7 @@
 //! pipelined decode steps (the next step queued before the current token is read).
 
 use crate::cpu::ops::SampleParams;
-use crate::engine::Session;
+use crate::engine::{Error, Session};
 
 /// Parameters of [`Session::generate`].
 #[derive(Clone, Debug)]
@@ -31,10 +31,10 @@ pub struct Piece {
 
 impl Session {
     /// Streams up to `max_tokens` tokens after `prompt` (a fresh sequence).
-    pub fn generate(&mut self, prompt: &[u32], params: GenerateParams) -> Result<Generation<'_>, String> {
+    pub fn generate(&mut self, prompt: &[u32], params: GenerateParams) -> Result<Generation<'_>, Error> {
         self.reset();
         if prompt.is_empty() {
-            return Err("empty prompt".into());
+            return Err(Error::Input("empty prompt".into()));
         }
         Ok(Generation { session: self, prompt: prompt.to_vec(), params, produced: vec![], next: None, done: false, in_flight: 0 })
     }
@@ -58,7 +58,7 @@ impl Generation<'_> {
         &self.produced
     }
 
-    fn step(&mut self) -> Result<Option<Piece>, String> {
+    fn step(&mut self) -> Result<Option<Piece>, Error> {
         if self.done || self.produced.len() >= self.params.max_tokens {
             return Ok(None);
         }
@@ -102,7 +102,7 @@ impl Generation<'_> {
             }
         }
         let text = match (self.session.engine().tokenizer_opt(), self.params.text) {
-            (Some(tk), true) => tk.decode_incremental(&self.produced, tok)?,
+            (Some(tk), true) => tk.decode_incremental(&self.produced, tok).map_err(Error::Input)?,
             _ => String::new(),
         };
         self.produced.push(tok);
@@ -118,7 +118,7 @@ impl Generation<'_> {
 }
 
 impl Iterator for Generation<'_> {
-    type Item = Result<Piece, String>;
+    type Item = Result<Piece, Error>;
     fn next(&mut self) -> Option<Self::Item> {
         match self.step() {
             Ok(Some(p)) => Some(Ok(p)),

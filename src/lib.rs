@@ -6,6 +6,7 @@ pub mod bench;
 pub mod cli;
 pub mod cpu;
 pub mod engine;
+pub mod error;
 pub mod exec;
 pub mod generate;
 pub mod gpu;
@@ -17,4 +18,5 @@ pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
 
+pub use error::Error;
 pub use markbase_graph as graph;

@@ -12,11 +12,11 @@
 //! for piece in m.generate(&prompt, GenerateParams { max_tokens: 16, ..Default::default() })? {
 //!     print!("{}", piece?.text);
 //! }
-//! # Ok::<(), String>(())
+//! # Ok::<(), markbase::model::Error>(())
 //! ```
 
 pub use crate::cpu::ops::SampleParams;
-pub use crate::engine::{DeviceKind, Engine, ModelOptions, Session};
+pub use crate::engine::{DeviceKind, Engine, Error, ModelOptions, Session};
 pub use crate::exec::{CpuExecutor, Executor, GraphKey, StepOutput};
 pub use crate::generate::{GenerateParams, Generation, Piece};
 

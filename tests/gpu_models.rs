@@ -160,6 +160,8 @@ fn check_nan_finds_a_planted_nan() {
     let opts = ModelOptions { device: DeviceKind::Gpu(None), max_context: 64, prefill_chunk: 32, check_nan: true, ..Default::default() };
     let mut m = Model::from_parts(ck.config().clone(), Arc::new(w.clone()), None, &opts).unwrap();
     let e = m.logits(&r.tokens[..5]).unwrap_err();
+    assert!(matches!(e, markbase::Error::Device(_)), "a NaN found on the device is a device error: {e:?}");
+    let e = e.to_string();
     println!("{e}");
     assert!(e.contains("l3.down_proj"), "wrong node: {e}");
     assert!(e.contains(target), "weight not named: {e}");
