@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod gpu;
 pub mod inspect;
 pub mod loader;
+pub mod memory;
 pub mod model;
 pub mod quant;
 pub mod synthetic;

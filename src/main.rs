@@ -40,9 +40,9 @@ struct RunArgs {
     /// vulkan | metal | dx12 | gl | cpu (default: MARKBASE_BACKEND, else the platform's best GPU).
     #[arg(long)]
     backend: Option<String>,
-    /// KV-cache length.
-    #[arg(long, default_value_t = 4096)]
-    max_context: usize,
+    /// KV-cache length in tokens (default: the model's positions, at most 4096).
+    #[arg(long)]
+    max_context: Option<usize>,
     /// Debug numerics: one submission per node, every output read back; stops at the
     /// first node producing NaN or Inf and names it (dump id, op, weights).
     #[arg(long)]
@@ -110,8 +110,12 @@ enum Cmd {
     Generate {
         #[command(flatten)]
         run: RunArgs,
+        /// The prompt; `-` reads it from stdin.
         #[arg(short = 'p', long)]
-        prompt: String,
+        prompt: Option<String>,
+        /// Read the prompt from a file.
+        #[arg(short = 'f', long = "file")]
+        file: Option<PathBuf>,
         /// Wrap the prompt in the checkpoint's chat template.
         #[arg(long)]
         chat: bool,
@@ -122,6 +126,9 @@ enum Cmd {
     Chat {
         #[command(flatten)]
         run: RunArgs,
+        /// A system prompt before the first turn.
+        #[arg(long)]
+        system: Option<String>,
         #[command(flatten)]
         sample: SampleArgs,
     },
@@ -144,10 +151,10 @@ enum Cmd {
         /// vulkan | metal | dx12 | gl | cpu | all.
         #[arg(long)]
         backend: Option<String>,
-        /// Bandwidth to report the fraction of, in bytes/s.
-        #[arg(long, default_value_t = 4.3e12)]
-        bandwidth: f64,
-        /// Also a per-op GPU profile of one decode step.
+        /// Bandwidth to report the fraction of, in bytes/s (default: the adapter's, where known).
+        #[arg(long)]
+        bandwidth: Option<f64>,
+        /// Also a per-op GPU profile of one decode step (GPU backends).
         #[arg(long)]
         profile: bool,
         #[arg(long)]
@@ -160,8 +167,15 @@ enum Cmd {
         /// Comma-separated token ids.
         #[arg(long)]
         tokens: String,
-        #[arg(long, default_value = "logits.npy")]
-        out: PathBuf,
+        /// The .npy file to write (default: logits.npy, unless --top is given).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Only the last position.
+        #[arg(long)]
+        last: bool,
+        /// Print the K largest ids and logits of each position (`position token id:logit ...`).
+        #[arg(long, value_name = "K")]
+        top: Option<usize>,
     },
 }
 
@@ -171,12 +185,43 @@ fn out(s: &str) {
     let _ = std::io::stdout().lock().write_all(s.as_bytes());
 }
 
-fn load(run: &RunArgs) -> Result<markbase::model::Model, String> {
-    let dev = cli::parse_device(run.backend.as_deref())?;
-    cli::load_model(&run.model, dev, run.max_context, run.check_nan)
+fn load(run: &RunArgs, need_tokenizer: bool) -> Result<markbase::model::Model, String> {
+    let device = cli::parse_device(run.backend.as_deref())?;
+    let o = cli::LoadOptions {
+        device,
+        cpu_if_software_gpu: cli::device_is_default(run.backend.as_deref()),
+        max_context: run.max_context,
+        check_nan: run.check_nan,
+        need_tokenizer,
+    };
+    cli::load_model(&run.model, &o)
 }
 
+/// Points `XDG_RUNTIME_DIR` at a private directory when it is unset or unusable (not
+/// an absolute path to a directory of ours, closed to others), as GPU drivers expect.
+#[cfg(unix)]
+fn ensure_runtime_dir() {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+    let usable = |p: &std::path::Path| {
+        p.is_absolute()
+            && std::fs::metadata(p).is_ok_and(|m| m.is_dir() && uid.map_or(true, |u| m.uid() == u) && m.permissions().mode() & 0o077 == 0)
+    };
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|v| usable(std::path::Path::new(&v))) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("markbase-runtime-{}", uid.unwrap_or(0)));
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    if usable(&dir) {
+        std::env::set_var("XDG_RUNTIME_DIR", &dir);
+    }
+}
+
+#[cfg(not(unix))]
+fn ensure_runtime_dir() {}
+
 fn main() -> ExitCode {
+    ensure_runtime_dir();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Graph { model_dir, format, tokens, max_context, phases } => {
@@ -201,17 +246,34 @@ fn main() -> ExitCode {
                 Err("the checkpoint has problems (listed above)".into())
             }
         }
-        Cmd::Generate { run, prompt, chat, sample } => {
-            load(&run).and_then(|mut m| cli::generate(&mut m, &prompt, chat, &sample.options()))
+        Cmd::Generate { run, prompt, file, chat, sample } => {
+            let o = sample.options();
+            o.sampling.validate().and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref())).and_then(|text| {
+                load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &o))
+            })
         }
-        Cmd::Chat { run, sample } => load(&run).and_then(|mut m| cli::chat(&mut m, &sample.options())),
+        Cmd::Chat { run, system, sample } => {
+            let o = sample.options();
+            o.sampling.validate().and_then(|()| load(&run, true)).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref()))
+        }
         Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json } => {
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), prompt, gen, runs, bandwidth, profile, json)
-                .map(|s| out(&s))
         }
-        Cmd::Logits { run, tokens, out: path } => cli::parse_tokens(&tokens)
-            .and_then(|t| load(&run).and_then(|mut m| cli::logits(&mut m, &t, &path)))
-            .map(|s| eprintln!("{s}")),
+        Cmd::Logits { run, tokens, out: path, last, top } => (|| {
+            let t = cli::parse_tokens(&tokens)?;
+            if top == Some(0) {
+                return Err("--top must be at least 1".to_string());
+            }
+            let path = path.or_else(|| top.is_none().then(|| PathBuf::from("logits.npy")));
+            let file = path.as_deref().map(cli::OutFile::check).transpose()?;
+            let mut m = load(&run, false)?;
+            let (text, note) = cli::logits(&mut m, &t, file, &cli::LogitsOptions { last, top })?;
+            out(&text);
+            if !note.is_empty() {
+                eprintln!("{note}");
+            }
+            Ok(())
+        })(),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

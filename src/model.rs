@@ -15,7 +15,7 @@
 //! ```
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use markbase_graph::builder::{BuildOptions, Outputs, RECENT_TOKENS};
@@ -49,11 +49,25 @@ pub struct ModelOptions {
     pub progress: Option<Box<ProgressFn>>,
     /// Debug: one submission per node, each output checked for NaN/Inf (GPU).
     pub check_nan: bool,
+    /// With `DeviceKind::Gpu(None)` and no backend named in the environment: when the only
+    /// adapter is a software one (llvmpipe, lavapipe), run on the CPU reference executor
+    /// instead (it is faster there). [`Model::notice`] says so.
+    pub cpu_if_software_gpu: bool,
+    /// Called with the name of each loading stage as it starts ("reading weights", "uploading").
+    pub stage: Option<Box<dyn Fn(&str) + Send + Sync>>,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions { device: DeviceKind::Gpu(None), max_context: 4096, prefill_chunk: 256, progress: None, check_nan: false }
+        ModelOptions {
+            device: DeviceKind::Gpu(None),
+            max_context: 4096,
+            prefill_chunk: 256,
+            progress: None,
+            check_nan: false,
+            cpu_if_software_gpu: false,
+            stage: None,
+        }
     }
 }
 
@@ -146,6 +160,17 @@ impl Default for GenerateParams {
     }
 }
 
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    /// A stop token (EOS, `<end_of_turn>`) was sampled.
+    Stop,
+    /// The sequence filled the context (`max_context` tokens).
+    ContextFull,
+}
+
 /// One generated token.
 #[derive(Clone, Debug)]
 pub struct Piece {
@@ -157,6 +182,10 @@ pub struct Piece {
 /// A loaded model.
 pub struct Model {
     pub config: ModelConfig,
+    /// The checkpoint directory (for messages).
+    dir: Option<PathBuf>,
+    /// What the loader decided on the user's behalf (the CPU instead of a software GPU).
+    notice: Option<String>,
     checkpoint: Option<Checkpoint>,
     weights: Arc<Weights>,
     tokenizer: Option<Tokenizer>,
@@ -176,10 +205,22 @@ pub struct Model {
 
 impl Model {
     /// Opens a checkpoint directory, checks and loads the weights, and prepares the device.
+    /// Everything cheap is checked first: the directory, the context against the model's
+    /// positions, the device and whether the caches fit it, then the weights are read.
     pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Model, String> {
         let dir = dir.as_ref();
+        check_dir(dir)?;
         let ck = Checkpoint::open(dir).map_err(|e| e.to_string())?;
-        let probe = ck.build(BuildOptions::decode(opts.max_context, opts.prefill_chunk.min(opts.max_context))).map_err(|e| e.to_string())?;
+        check_context(ck.config(), opts.max_context, opts.prefill_chunk)?;
+        let chunk = opts.prefill_chunk.min(opts.max_context);
+        let probe = ck.build(BuildOptions::decode(opts.max_context, chunk)).map_err(|e| e.to_string())?;
+        let mut prefill = BuildOptions::prefill(chunk.max(2), opts.max_context.max(2));
+        prefill.chunk = chunk.max(2);
+        let need = crate::memory::Needs::of(&probe, &ck.build(prefill).map_err(|e| e.to_string())?)?;
+        let (opened, notice) = open_device(&opts, &need)?;
+        if let Some(f) = &opts.stage {
+            f("reading weights");
+        }
         let lo = LoadOptions { progress: opts.progress.as_deref() };
         let (weights, _report) = ck.load_weights_with(&probe, &lo).map_err(|e| e.to_string())?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
@@ -188,22 +229,43 @@ impl Model {
             None
         };
         let config = ck.config().clone();
-        let mut m = Self::from_parts(config, Arc::new(weights), tokenizer, &opts)?;
+        let mut m = Self::assemble(config, Arc::new(weights), tokenizer, &opts, opened)?;
         m.checkpoint = Some(ck);
+        m.dir = Some(dir.to_path_buf());
+        m.notice = notice;
         Ok(m)
     }
 
     /// A model from a config and weights already in memory (synthetic models).
     pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Model, String> {
-        if opts.prefill_chunk == 0 || opts.max_context == 0 {
-            return Err("max_context and prefill_chunk must be > 0".into());
-        }
-        let exec: Box<dyn Executor> = match opts.device {
-            DeviceKind::Cpu => Box::new(CpuExecutor::new(weights.clone())),
-            DeviceKind::Gpu(b) => Box::new(crate::gpu::runtime::GpuExecutor::new(b, weights.clone(), opts.check_nan)?),
+        check_context(&config, opts.max_context, opts.prefill_chunk)?;
+        let chunk = opts.prefill_chunk.min(opts.max_context);
+        let r = WeightsResolver(&weights);
+        let decode = markbase_graph::build(&config, &r, &BuildOptions::decode(opts.max_context, chunk)).map_err(|e| e.to_string())?;
+        let mut prefill = BuildOptions::prefill(chunk.max(2), opts.max_context.max(2));
+        prefill.chunk = chunk.max(2);
+        let prefill = markbase_graph::build(&config, &r, &prefill).map_err(|e| e.to_string())?;
+        let need = crate::memory::Needs::of(&decode, &prefill)?;
+        let (opened, notice) = open_device(opts, &need)?;
+        let mut m = Self::assemble(config, weights, tokenizer, opts, opened)?;
+        m.notice = notice;
+        Ok(m)
+    }
+
+    fn assemble(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions, opened: Opened) -> Result<Model, String> {
+        let exec: Box<dyn Executor> = match opened {
+            Opened::Cpu => Box::new(CpuExecutor::new(weights.clone())),
+            Opened::Gpu(gpu) => {
+                if let Some(f) = &opts.stage {
+                    f("uploading");
+                }
+                Box::new(crate::gpu::runtime::GpuExecutor::with_gpu(*gpu, &weights, opts.check_nan, None)?)
+            }
         };
         Ok(Model {
             config,
+            dir: None,
+            notice: None,
             checkpoint: None,
             weights,
             tokenizer,
@@ -218,8 +280,44 @@ impl Model {
         })
     }
 
+    /// What loading decided on the caller's behalf, e.g. the CPU executor instead of a
+    /// software GPU adapter ([`ModelOptions::cpu_if_software_gpu`]).
+    pub fn notice(&self) -> Option<&str> {
+        self.notice.as_deref()
+    }
+
+    /// Longest sequence the caches hold.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// Tokens of the current sequence (those whose keys and values are cached).
+    pub fn tokens(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Keeps only the first `n` tokens of the current sequence, so that a different
+    /// continuation can be fed after them. False (and nothing changed) where a
+    /// sliding-window cache has already overwritten positions the kept tokens need:
+    /// dropping more than one token is safe only while the sequence is shorter than
+    /// the window.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        let len = self.history.len();
+        if n >= len || !self.unread.is_empty() {
+            return n == len;
+        }
+        if len - n > 1 && len > self.config.sliding_window.min(self.max_context) {
+            return false;
+        }
+        self.history.truncate(n);
+        true
+    }
+
     pub fn tokenizer(&self) -> Result<&Tokenizer, String> {
-        self.tokenizer.as_ref().ok_or_else(|| "this checkpoint has no tokenizer.json".to_string())
+        self.tokenizer.as_ref().ok_or_else(|| match &self.dir {
+            Some(d) => format!("{}: no such file (generating text needs the checkpoint's tokenizer)", d.join("tokenizer.json").display()),
+            None => "this model has no tokenizer".to_string(),
+        })
     }
 
     pub fn weights(&self) -> &Weights {
@@ -328,12 +426,32 @@ impl Model {
         Ok(&self.graphs[&key])
     }
 
+    /// Compiles the graphs a generation after a `prompt_len`-token prompt runs (each is
+    /// otherwise compiled on first use, inside the first step).
+    pub fn prepare(&mut self, prompt_len: usize, s: &SampleParams) -> Result<(), String> {
+        let sample = !s.is_greedy();
+        let mut lens = vec![1];
+        if prompt_len >= self.chunk {
+            lens.push(self.chunk);
+        }
+        if prompt_len % self.chunk != 0 {
+            lens.push(prompt_len % self.chunk);
+        }
+        for tokens in lens {
+            self.graph(GraphKey { tokens, all_logits: false, sample })?;
+        }
+        Ok(())
+    }
+
     /// Feeds `ids` after the current sequence, in chunks. Returns the output of
     /// the last chunk (its last position's token); with `all_logits`, the logits
     /// of every fed position are concatenated.
     pub fn forward(&mut self, ids: &[u32], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, String> {
         if ids.is_empty() {
             return Err("no tokens to process".into());
+        }
+        if let Some(s) = sampling {
+            s.validate()?;
         }
         let vocab = self.config.vocab_size as u32;
         if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
@@ -383,11 +501,26 @@ impl Model {
 
     /// Streams up to `max_tokens` tokens after `prompt` (a fresh sequence).
     pub fn generate(&mut self, prompt: &[u32], params: GenerateParams) -> Result<Generation<'_>, String> {
+        params.sampling.validate()?;
         self.reset();
-        if prompt.is_empty() {
+        self.generate_after(prompt, params)
+    }
+
+    /// Streams up to `max_tokens` tokens after the current sequence extended by `ids`:
+    /// the cached keys and values of the sequence so far are kept (a chat's next turn).
+    pub fn generate_after(&mut self, ids: &[u32], params: GenerateParams) -> Result<Generation<'_>, String> {
+        params.sampling.validate()?;
+        if ids.is_empty() {
             return Err("empty prompt".into());
         }
-        Ok(Generation { model: self, prompt: prompt.to_vec(), params, produced: vec![], next: None, done: false, in_flight: 0 })
+        if self.history.len() + ids.len() > self.max_context {
+            return Err(if self.history.is_empty() {
+                format!("the prompt has {} tokens, more than the context of {} tokens: raise the max context (--max-context) or shorten the prompt", ids.len(), self.max_context)
+            } else {
+                format!("context full: {} + {} tokens exceed the context of {} tokens", self.history.len(), ids.len(), self.max_context)
+            });
+        }
+        Ok(Generation { model: self, prompt: ids.to_vec(), params, produced: vec![], pending: None, done: false, stop: None, in_flight: 0 })
     }
 }
 
@@ -412,8 +545,10 @@ pub struct Generation<'a> {
     prompt: Vec<u32>,
     params: GenerateParams,
     produced: Vec<u32>,
-    next: Option<u32>,
+    /// Unpipelined: the last token, fed when the next one is asked for.
+    pending: Option<u32>,
     done: bool,
+    stop: Option<StopReason>,
     /// Pipelined decode steps submitted and not read yet.
     in_flight: usize,
 }
@@ -424,9 +559,23 @@ impl Generation<'_> {
         &self.produced
     }
 
+    /// Why the generation ended (`None` while it runs, or after an error).
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stop
+    }
+
+    fn finish(&mut self, why: StopReason) -> Result<Option<Piece>, String> {
+        self.done = true;
+        self.stop = Some(why);
+        Ok(None)
+    }
+
     fn step(&mut self) -> Result<Option<Piece>, String> {
-        if self.done || self.produced.len() >= self.params.max_tokens {
+        if self.done {
             return Ok(None);
+        }
+        if self.produced.len() >= self.params.max_tokens {
+            return self.finish(StopReason::MaxTokens);
         }
         let s = self.params.sampling;
         let pipelined = self.model.can_pipeline(&s);
@@ -441,7 +590,8 @@ impl Generation<'_> {
             t
         } else if pipelined {
             if self.in_flight == 0 {
-                return Ok(None);
+                // a step is always queued while tokens remain, unless the context is full
+                return self.finish(StopReason::ContextFull);
             }
             // Keep the GPU busy: the next step is queued before this one is read.
             if more_after(self.produced.len()) && self.model.position() < self.model.max_context {
@@ -451,35 +601,44 @@ impl Generation<'_> {
             self.in_flight -= 1;
             self.model.take_decode()?
         } else {
-            match self.next.take() {
-                Some(t) => t,
-                None => return Ok(None),
+            let Some(t) = self.pending.take() else {
+                return self.finish(StopReason::ContextFull);
+            };
+            if self.model.position() >= self.model.max_context {
+                return self.finish(StopReason::ContextFull);
             }
+            // the step runs when its token is asked for, so that timing a piece times its step
+            self.model.forward(&[t], false, Some(&s))?.token
         };
-        if self.params.stop_at_eos {
-            if let Some(tk) = &self.model.tokenizer {
-                if tk.stop_ids.contains(&tok) {
-                    self.done = true;
-                    return Ok(None);
-                }
-            } else if self.model.config.eos_token_ids.contains(&tok) {
-                self.done = true;
-                return Ok(None);
-            }
+        let stops = match &self.model.tokenizer {
+            Some(tk) => tk.stop_ids.contains(&tok),
+            None => self.model.config.eos_token_ids.contains(&tok),
+        };
+        if self.params.stop_at_eos && stops {
+            return self.finish(StopReason::Stop);
         }
         let text = match (&self.model.tokenizer, self.params.text) {
             (Some(tk), true) => tk.decode_incremental(&self.produced, tok)?,
             _ => String::new(),
         };
         self.produced.push(tok);
-        if !pipelined && self.produced.len() < self.params.max_tokens {
-            if self.model.position() >= self.model.max_context {
-                self.done = true;
-            } else {
-                self.next = Some(self.model.forward(&[tok], false, Some(&s))?.token);
-            }
+        if !pipelined {
+            self.pending = Some(tok);
         }
         Ok(Some(Piece { token: tok, text }))
+    }
+}
+
+impl Drop for Generation<'_> {
+    /// Reads the decode steps still queued, so that the sequence stays consistent
+    /// (a following [`Model::generate_after`] continues it).
+    fn drop(&mut self) {
+        while self.in_flight > 0 {
+            self.in_flight -= 1;
+            if self.model.take_decode().is_err() {
+                break;
+            }
+        }
     }
 }
 
@@ -493,6 +652,75 @@ impl Iterator for Generation<'_> {
                 self.done = true;
                 Some(Err(e))
             }
+        }
+    }
+}
+
+/// A device opened for a model, before the weights are uploaded.
+enum Opened {
+    Cpu,
+    Gpu(Box<crate::gpu::device::Gpu>),
+}
+
+/// A model directory, told apart from what it is often confused with (a GGUF or
+/// safetensors file, a Hugging Face repository id, a mistyped path).
+fn check_dir(dir: &Path) -> Result<(), String> {
+    const HOW: &str = "markbase reads MLX checkpoint directories (config.json, *.safetensors, tokenizer.json); \
+                       make one with `mlx_lm.convert --hf-path <repo or dir> --mlx-path DIR` (add -q to quantize)";
+    let d = dir.display();
+    if dir.is_file() {
+        return Err(format!("{d} is a file, not a model directory\n{HOW}"));
+    }
+    if !dir.exists() {
+        let repo_like = !dir.is_absolute() && dir.components().count() == 2 && !dir.starts_with(".");
+        let hint = if repo_like { " (a Hugging Face repository id is not downloaded: convert it first)" } else { "" };
+        return Err(format!("{d}: no such directory{hint}\n{HOW}"));
+    }
+    if !dir.join("config.json").is_file() {
+        return Err(format!("{d} has no config.json: not an MLX checkpoint\n{HOW}"));
+    }
+    Ok(())
+}
+
+/// The context and chunk lengths against each other and the model's positions.
+fn check_context(config: &ModelConfig, max_context: usize, chunk: usize) -> Result<(), String> {
+    if max_context == 0 {
+        return Err("the max context (--max-context) must be at least 1 token".into());
+    }
+    if chunk == 0 {
+        return Err("the prefill chunk must be at least 1 token".into());
+    }
+    let limit = config.max_position_embeddings;
+    if limit > 0 && max_context > limit {
+        return Err(format!(
+            "a max context (--max-context) of {max_context} tokens exceeds this model's {limit} positions (max_position_embeddings in config.json)"
+        ));
+    }
+    Ok(())
+}
+
+/// Opens the device `opts` asks for and checks that the model's buffers fit it; on a
+/// software adapter, where allowed, the CPU instead (with a notice).
+fn open_device(opts: &ModelOptions, need: &crate::memory::Needs) -> Result<(Opened, Option<String>), String> {
+    use crate::gpu::device::{Backend, Gpu, GpuOptions};
+    match opts.device {
+        DeviceKind::Cpu => {
+            need.fit_host()?;
+            Ok((Opened::Cpu, None))
+        }
+        DeviceKind::Gpu(b) => {
+            let env = Backend::from_env().map_err(|e| e.to_string())?;
+            let gpu = Gpu::with_options(&GpuOptions { backend: b, ..Default::default() }).map_err(|e| e.to_string())?;
+            if opts.cpu_if_software_gpu && b.is_none() && env.is_none() && gpu.info.device_type == "cpu" {
+                need.fit_host()?;
+                let note = format!(
+                    "{} is a software GPU: running on the CPU reference executor, faster here (--backend {} forces it)",
+                    gpu.info.name, gpu.info.backend
+                );
+                return Ok((Opened::Cpu, Some(note)));
+            }
+            need.fit_gpu(&gpu.info.name, gpu.limits())?;
+            Ok((Opened::Gpu(Box::new(gpu)), None))
         }
     }
 }
