@@ -54,15 +54,15 @@ struct SampleArgs {
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// Temperature; 0 = greedy.
-    #[arg(long = "temp", default_value_t = 0.0)]
+    #[arg(long = "temp", default_value_t = 0.0, allow_negative_numbers = true)]
     temp: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     top_k: u32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0)]
     seed: u32,
