@@ -256,6 +256,7 @@ fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>) {
 pub fn source(model: Option<&std::path::Path>, synthetic: Option<&str>) -> Result<(String, ModelConfig, Arc<Weights>), String> {
     match (model, synthetic) {
         (Some(dir), None) => {
+            crate::model::check_dir(dir)?;
             let ck = crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?;
             let g = ck.build(markbase_graph::BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
             let (w, _) = ck.load_weights(&g).map_err(|e| e.to_string())?;

@@ -15,6 +15,7 @@ pub enum DumpFormat {
 
 /// Reads and parses `<dir>/config.json`.
 pub fn read_config(dir: &Path) -> Result<ModelConfig, String> {
+    crate::model::check_dir(dir)?;
     let p = dir.join("config.json");
     let s = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
     ModelConfig::from_json_str(&s).map_err(|e| format!("{}: {e}", p.display()))
@@ -101,7 +102,8 @@ pub fn load_model(dir: &Path, o: &LoadOptions) -> Result<Model, String> {
         None => read_config(dir).map(|c| c.max_position_embeddings.clamp(1, 4096)).unwrap_or(4096),
     };
     let t0 = std::time::Instant::now();
-    let bar = indicatif::ProgressBar::new(0);
+    // drawn from the first weight read on: what opening the device prints stays above it
+    let bar = indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::hidden());
     bar.set_style(
         indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
@@ -109,6 +111,9 @@ pub fn load_model(dir: &Path, o: &LoadOptions) -> Result<Model, String> {
     bar.set_message("opening");
     let b2 = bar.clone();
     let progress = Box::new(move |done: u64, total: u64| {
+        if b2.is_hidden() {
+            b2.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
         b2.set_length(total);
         b2.set_position(done);
     });
@@ -387,10 +392,11 @@ pub fn logits(m: &mut Model, tokens: &[u32], out: Option<OutFile>, o: &LogitsOpt
 }
 
 /// `markbase inspect`.
-pub fn inspect(dir: &Path, json: bool) -> (String, bool) {
+pub fn inspect(dir: &Path, json: bool) -> Result<(String, bool), String> {
+    crate::model::check_dir(dir)?;
     let r = crate::inspect::inspect(dir);
     let s = if json { serde_json::to_string_pretty(&r.to_json()).unwrap_or_default() + "\n" } else { r.to_string() };
-    (s, r.ok())
+    Ok((s, r.ok()))
 }
 
 /// A device as the command line names it (`vulkan`, `cpu`).

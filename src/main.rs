@@ -237,15 +237,14 @@ fn main() -> ExitCode {
             };
             cli::graph(&model_dir, fmt, tokens, max_context, policy).map(|s| out(&s))
         }
-        Cmd::Inspect { model_dir, json } => {
-            let (s, ok) = cli::inspect(&model_dir, json);
+        Cmd::Inspect { model_dir, json } => cli::inspect(&model_dir, json).and_then(|(s, ok)| {
             out(&s);
             if ok {
                 Ok(())
             } else {
                 Err("the checkpoint has problems (listed above)".into())
             }
-        }
+        }),
         Cmd::Generate { run, prompt, file, chat, sample } => {
             let o = sample.options();
             o.sampling.validate().and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref())).and_then(|text| {

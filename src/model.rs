@@ -664,7 +664,7 @@ enum Opened {
 
 /// A model directory, told apart from what it is often confused with (a GGUF or
 /// safetensors file, a Hugging Face repository id, a mistyped path).
-fn check_dir(dir: &Path) -> Result<(), String> {
+pub fn check_dir(dir: &Path) -> Result<(), String> {
     const HOW: &str = "markbase reads MLX checkpoint directories (config.json, *.safetensors, tokenizer.json); \
                        make one with `mlx_lm.convert --hf-path <repo or dir> --mlx-path DIR` (add -q to quantize)";
     let d = dir.display();

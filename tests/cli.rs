@@ -273,8 +273,10 @@ fn what_is_not_a_checkpoint_is_named_with_the_way_to_get_one() {
     let gguf = std::env::temp_dir().join(format!("markbase-{}.gguf", std::process::id()));
     std::fs::write(&gguf, b"GGUF").unwrap();
     for (m, want) in [(gguf.to_str().unwrap(), "is a file"), ("google/gemma-3-270m", "Hugging Face"), ("/nonexistent/model", "no such directory")] {
-        let err = fails_with(&["generate", "-m", m, "--backend", "cpu", "-p", "hi"], want);
-        assert!(err.contains("MLX checkpoint") && err.contains("mlx_lm.convert"), "{err}");
+        for args in [&["generate", "-m", m, "--backend", "cpu", "-p", "hi"][..], &["inspect", m], &["graph", m], &["bench", "-m", m, "--backend", "cpu"]] {
+            let err = fails_with(args, want);
+            assert!(err.contains("MLX checkpoint") && err.contains("mlx_lm.convert"), "{err}");
+        }
     }
     let _ = std::fs::remove_file(gguf);
     fails_with(&["generate", "-m", "tests/fixtures", "--backend", "cpu", "-p", "hi"], "has no config.json");
