@@ -215,7 +215,9 @@ pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Resu
     let tk = m.tokenizer()?;
     let ids = if chat { tk.encode_chat(&[Message::user(prompt)])? } else { tk.encode(prompt, true)? };
     let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
+    let t = std::time::Instant::now();
     m.prepare(ids.len(), &o.sampling)?;
+    let compile = t.elapsed().as_secs_f64();
     let mut g = m.generate(&ids, params)?;
     {
         let mut out = std::io::stdout().lock();
@@ -226,7 +228,7 @@ pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Resu
     drop(g);
     eprintln!("stopped: {}", stop_words(s.why, m, o.max_tokens));
     eprintln!(
-        "[{} prompt tokens, prefill {:.2}s ({}); {} generated, decode {}; {}]",
+        "[compile {compile:.2}s; {} prompt tokens, prefill {:.2}s ({}); {} generated, decode {}; {}]",
         ids.len(),
         s.first,
         rate(ids.len(), s.first),

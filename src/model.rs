@@ -709,7 +709,7 @@ fn open_device(opts: &ModelOptions, need: &crate::memory::Needs) -> Result<(Open
             Ok((Opened::Cpu, None))
         }
         DeviceKind::Gpu(b) => {
-            let env = Backend::from_env().map_err(|e| e.to_string())?;
+            let env = if b.is_none() { Backend::from_env().map_err(|e| e.to_string())? } else { None };
             let gpu = Gpu::with_options(&GpuOptions { backend: b, ..Default::default() }).map_err(|e| e.to_string())?;
             if opts.cpu_if_software_gpu && b.is_none() && env.is_none() && gpu.info.device_type == "cpu" {
                 need.fit_host()?;
