@@ -105,7 +105,7 @@ pub fn load_model(dir: &Path, o: &LoadOptions) -> Result<Model, String> {
     // drawn from the first weight read on: what opening the device prints stays above it
     let bar = indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::hidden());
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} {elapsed}")
+        indicatif::ProgressStyle::with_template("{msg:>15} {bar:30} {bytes}/{total_bytes} {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message("opening");
