@@ -23,10 +23,12 @@ pub struct BenchOptions {
     pub gen: usize,
     /// Timed decode runs (after one warm-up run).
     pub runs: usize,
-    /// Bandwidth (bytes/s) to compare against.
-    pub bandwidth: f64,
+    /// Bandwidth (bytes/s) to compare against; `None`: the adapter's, where known ([`known_bandwidth`]).
+    pub bandwidth: Option<f64>,
     /// Also profile one decode step per op kind (timestamps inside passes).
     pub profile: bool,
+    /// The fusion rules the graphs run.
+    pub fuse: markbase_graph::FuseOptions,
 }
 
 /// Bytes of weights a decode step reads: every matrix a MatMul multiplies by in
@@ -57,6 +59,12 @@ pub fn bytes_per_token(c: &Compiled, weights: &Weights) -> u64 {
     seen.values().sum()
 }
 
+/// The bandwidth of an adapter known by name, in bytes/s: the H200's measured
+/// device-to-device copy bandwidth (4.3 TB/s, the figure of the performance log).
+pub fn known_bandwidth(device: &str) -> Option<f64> {
+    device.contains("H200").then_some(4.3e12)
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
@@ -68,7 +76,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Benchmarks one model on one device. Returns a JSON record.
 pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device: DeviceKind, o: &BenchOptions) -> Result<Value, String> {
-    let opts = ModelOptions { device, max_context: o.prompt + o.gen + 8, prefill_chunk: o.prompt.max(1), ..Default::default() };
+    let opts = ModelOptions { device, max_context: o.prompt + o.gen + 8, prefill_chunk: o.prompt.max(1), fuse: o.fuse.clone(), ..Default::default() };
     let mut m = Model::from_parts(config.clone(), weights.clone(), None, &opts)?;
     let dev = m.device();
     let vocab = config.vocab_size as u32;
@@ -141,11 +149,13 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
         "decode_tok_s_max": hi,
         "bytes_per_token": bpt,
         "achieved_GB_s": achieved / 1e9,
-        "bandwidth_GB_s": o.bandwidth / 1e9,
-        "fraction_of_bandwidth": achieved / o.bandwidth,
-        "bound_tok_s": o.bandwidth / bpt.max(1) as f64,
         "pipelined": pipelined,
     });
+    if let Some(bw) = o.bandwidth.or_else(|| known_bandwidth(&dev)) {
+        rec["bandwidth_GB_s"] = json!(bw / 1e9);
+        rec["fraction_of_bandwidth"] = json!(achieved / bw);
+        rec["bound_tok_s"] = json!(bw / bpt.max(1) as f64);
+    }
     if let Some(s) = stats {
         rec["dispatches_per_step"] = json!(s.dispatches);
         rec["submits_per_step"] = json!(s.submits);
@@ -248,6 +258,7 @@ fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>) {
 pub fn source(model: Option<&std::path::Path>, synthetic: Option<&str>) -> Result<(String, ModelConfig, Arc<Weights>), String> {
     match (model, synthetic) {
         (Some(dir), None) => {
+            crate::model::check_dir(dir)?;
             let ck = crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?;
             let g = ck.build(markbase_graph::BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
             let (w, _) = ck.load_weights(&g).map_err(|e| e.to_string())?;
@@ -263,35 +274,57 @@ pub fn source(model: Option<&std::path::Path>, synthetic: Option<&str>) -> Resul
     }
 }
 
-/// One table row per record.
+/// One table row per record, then the profiles.
 pub fn table(rows: &[Value]) -> String {
-    let mut s = String::from(
-        "| model | device | prefill tok/s | decode tok/s (median [min, max]) | bytes/token | GB/s | of bandwidth | dispatches/step | submits/step | CPU encode µs/step |\n|---|---|---|---|---|---|---|---|---|---|\n",
-    );
+    let mut s = table_header();
     for r in rows {
-        if let Some(e) = r.get("error") {
-            s.push_str(&format!("| {} | {} | error: {} |\n", r["model"].as_str().unwrap_or(""), r["device"].as_str().unwrap_or(""), e));
-            continue;
-        }
-        let f = |k: &str| r.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
-        let dev = short_device(r["device"].as_str().unwrap_or(""));
-        s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} [{:.1}, {:.1}] | {:.3} GB | {:.0} | {:.1}% | {} | {} | {:.0} |\n",
-            r["model"].as_str().unwrap_or(""),
-            dev,
-            f("prefill_tok_s"),
-            f("decode_tok_s_median"),
-            f("decode_tok_s_min"),
-            f("decode_tok_s_max"),
-            f("bytes_per_token") / 1e9,
-            f("achieved_GB_s"),
-            100.0 * f("fraction_of_bandwidth"),
-            r.get("dispatches_per_step").map(|v| v.to_string()).unwrap_or("-".into()),
-            r.get("submits_per_step").map(|v| v.to_string()).unwrap_or("-".into()),
-            f("cpu_encode_us_median"),
-        ));
+        s.push_str(&table_row(r));
     }
-    // with --profile: one decode step and one prefill by op, largest first
+    s + &profile_tables(rows)
+}
+
+/// The head of the results table.
+pub fn table_header() -> String {
+    "| model | device | prefill tok/s | decode tok/s (median [min, max]) | bytes/token | GB/s | of bandwidth | dispatches/step | submits/step | CPU encode µs/step |\n|---|---|---|---|---|---|---|---|---|---|\n".into()
+}
+
+/// A number of a record, or `-` where it has none.
+fn num(r: &Value, key: &str, digits: usize) -> String {
+    match r.get(key).and_then(|v| v.as_f64()) {
+        Some(v) if v.is_finite() => format!("{v:.digits$}"),
+        _ => "-".into(),
+    }
+}
+
+/// One row of the results table.
+pub fn table_row(r: &Value) -> String {
+    if let Some(e) = r.get("error") {
+        return format!("| {} | {} | error: {} |\n", r["model"].as_str().unwrap_or(""), r["device"].as_str().unwrap_or(""), e.as_str().unwrap_or(""));
+    }
+    let gbs = r.get("achieved_GB_s").and_then(|v| v.as_f64()).unwrap_or(0.0);
+    let fraction = match r.get("fraction_of_bandwidth").and_then(|v| v.as_f64()) {
+        Some(f) => format!("{:.1}%", 100.0 * f),
+        None => "-".into(),
+    };
+    format!(
+        "| {} | {} | {} | {} [{}, {}] | {:.3} GB | {} | {fraction} | {} | {} | {} |\n",
+        r["model"].as_str().unwrap_or(""),
+        short_device(r["device"].as_str().unwrap_or("")),
+        num(r, "prefill_tok_s", 1),
+        num(r, "decode_tok_s_median", 1),
+        num(r, "decode_tok_s_min", 1),
+        num(r, "decode_tok_s_max", 1),
+        r.get("bytes_per_token").and_then(|v| v.as_f64()).unwrap_or(0.0) / 1e9,
+        num(r, "achieved_GB_s", if gbs < 10.0 { 2 } else { 0 }),
+        r.get("dispatches_per_step").map(|v| v.to_string()).unwrap_or("-".into()),
+        r.get("submits_per_step").map(|v| v.to_string()).unwrap_or("-".into()),
+        num(r, "cpu_encode_us_median", 0),
+    )
+}
+
+/// With `--profile`: one decode step and one prefill by op, largest first.
+pub fn profile_tables(rows: &[Value]) -> String {
+    let mut s = String::new();
     for r in rows {
         for (key, what) in [("gpu_profile", "one decode step".to_string()), ("gpu_prefill_profile", format!("one prefill of {} tokens", r["prompt"]))] {
             let Some(ops) = r.get(format!("{key}_by_op").as_str()).and_then(|v| v.as_array()) else {
@@ -321,7 +354,7 @@ pub fn table(rows: &[Value]) -> String {
 
 /// An adapter's description cut to its name and backend ("gpu: llvmpipe (vulkan)"): `--backend
 /// all` may find one adapter through several backends.
-fn short_device(dev: &str) -> String {
+pub fn short_device(dev: &str) -> String {
     let name = dev.split(" (").next().unwrap_or(dev);
     match ["vulkan", "metal", "dx12", "gl"].iter().find(|b| dev.contains(&format!("({b},"))) {
         Some(b) => format!("{name} ({b})"),

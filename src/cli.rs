@@ -4,7 +4,7 @@ use std::path::Path;
 
 use markbase_graph::builder::{build_from_config, BuildOptions};
 use markbase_graph::passes::{compile, PhasePolicy};
-use markbase_graph::{dump, ModelConfig};
+use markbase_graph::{dump, FuseOptions, ModelConfig};
 
 #[derive(Clone, Copy, Debug)]
 pub enum DumpFormat {
@@ -15,19 +15,30 @@ pub enum DumpFormat {
 
 /// Reads and parses `<dir>/config.json`.
 pub fn read_config(dir: &Path) -> Result<ModelConfig, String> {
+    crate::model::check_dir(dir)?;
     let p = dir.join("config.json");
     let s = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
     ModelConfig::from_json_str(&s).map_err(|e| format!("{}: {e}", p.display()))
 }
 
 /// `markbase graph`: the compiled graph of a model directory, dumped.
-pub fn graph(dir: &Path, format: DumpFormat, tokens: usize, max_context: usize, policy: PhasePolicy) -> Result<String, String> {
+pub fn graph(dir: &Path, format: DumpFormat, tokens: usize, max_context: usize, policy: PhasePolicy, fuse: &FuseOptions) -> Result<String, String> {
+    if tokens == 0 {
+        return Err("--tokens must be at least 1 (1 = a decode step, N > 1 = a prefill of N tokens)".into());
+    }
+    if max_context == 0 {
+        return Err("--max-context must be at least 1 token".into());
+    }
+    if tokens > max_context {
+        return Err(format!("--tokens {tokens} exceeds the context of {max_context} tokens (--max-context)"));
+    }
     let cfg = read_config(dir)?;
-    let opts = if tokens <= 1 {
+    let mut opts = if tokens == 1 {
         BuildOptions::decode(max_context, 512.min(max_context))
     } else {
-        BuildOptions::prefill(tokens, max_context.max(tokens))
+        BuildOptions::prefill(tokens, max_context)
     };
+    opts.fuse = fuse.clone();
     let g = build_from_config(&cfg, &opts).map_err(|e| e.to_string())?;
     let c = compile(g, policy).map_err(|e| e.to_string())?;
     Ok(match format {
@@ -43,37 +54,93 @@ pub fn graph(dir: &Path, format: DumpFormat, tokens: usize, max_context: usize, 
 
 use std::io::Write;
 
-use crate::model::{DeviceKind, GenerateParams, Model, ModelOptions, SampleParams};
+use crate::model::{DeviceKind, GenerateParams, Model, ModelOptions, SampleParams, StopReason};
 use crate::tokenizer::Message;
 
-/// Parses a `--backend` value: `cpu` or a GPU backend name.
+/// Parses a `--backend` value: `cpu` or a GPU backend name. Without one, the
+/// environment's (`MARKBASE_BACKEND`, `WGPU_BACKEND`) is checked now, before anything is loaded.
 pub fn parse_device(s: Option<&str>) -> Result<DeviceKind, String> {
+    use crate::gpu::device::Backend;
     match s {
-        None => Ok(DeviceKind::Gpu(None)),
+        None => match std::env::var("MARKBASE_BACKEND") {
+            Ok(v) if v.trim() == "cpu" => Ok(DeviceKind::Cpu),
+            _ => Backend::from_env().map(|_| DeviceKind::Gpu(None)).map_err(|e| format!("{e} (from the environment: MARKBASE_BACKEND or WGPU_BACKEND)")),
+        },
         Some("cpu") => Ok(DeviceKind::Cpu),
         Some(b) => b
-            .parse::<crate::gpu::device::Backend>()
+            .parse::<Backend>()
             .map(|b| DeviceKind::Gpu(Some(b)))
             .map_err(|_| format!("unknown backend {b:?} (vulkan, metal, dx12, gl, cpu)")),
     }
 }
 
-/// Loads a model with a progress bar on stderr.
-pub fn load_model(dir: &Path, device: DeviceKind, max_context: usize, check_nan: bool) -> Result<Model, String> {
-    let bar = indicatif::ProgressBar::new(0);
+/// Whether neither `--backend` nor the environment names a backend: then a machine
+/// whose only adapter is a software one runs on the CPU executor.
+pub fn device_is_default(s: Option<&str>) -> bool {
+    s.is_none() && ["MARKBASE_BACKEND", "WGPU_BACKEND"].iter().all(|v| std::env::var(v).map_or(true, |x| x.trim().is_empty()))
+}
+
+/// How `load_model` opens a model.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    pub device: DeviceKind,
+    /// Use the CPU where the only adapter is a software GPU (see [`device_is_default`]).
+    pub cpu_if_software_gpu: bool,
+    /// `None`: the model's positions, at most 4096.
+    pub max_context: Option<usize>,
+    pub check_nan: bool,
+    /// Refuse a checkpoint without `tokenizer.json` before loading it (text commands).
+    pub need_tokenizer: bool,
+    /// The fusion rules the graphs run.
+    pub fuse: FuseOptions,
+}
+
+/// Loads a model with a progress bar on stderr: the weights read, then the stages.
+pub fn load_model(dir: &Path, o: &LoadOptions) -> Result<Model, String> {
+    if o.need_tokenizer && dir.join("config.json").is_file() && !dir.join("tokenizer.json").is_file() {
+        return Err(format!("{}: no such file (generating text needs the checkpoint's tokenizer)", dir.join("tokenizer.json").display()));
+    }
+    let max_context = match o.max_context {
+        Some(n) => n,
+        None => read_config(dir).map(|c| c.max_position_embeddings.clamp(1, 4096)).unwrap_or(4096),
+    };
+    let t0 = std::time::Instant::now();
+    // drawn from the first weight read on: what opening the device prints stays above it
+    let bar = indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::hidden());
     bar.set_style(
-        indicatif::ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} {elapsed}")
+        indicatif::ProgressStyle::with_template("{msg:>15} {bar:30} {bytes}/{total_bytes} {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    bar.set_message("opening");
     let b2 = bar.clone();
     let progress = Box::new(move |done: u64, total: u64| {
+        if b2.is_hidden() {
+            b2.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
         b2.set_length(total);
         b2.set_position(done);
     });
-    let opts = ModelOptions { device, max_context, progress: Some(progress), check_nan, ..Default::default() };
+    let b3 = bar.clone();
+    let stage = Box::new(move |s: &str| b3.set_message(s.to_string()));
+    let opts = ModelOptions {
+        device: o.device,
+        max_context,
+        progress: Some(progress),
+        check_nan: o.check_nan,
+        fuse: o.fuse.clone(),
+        cpu_if_software_gpu: o.cpu_if_software_gpu,
+        stage: Some(stage),
+        ..Default::default()
+    };
     let m = Model::load(dir, opts);
+    let bytes = bar.length().unwrap_or(0);
     bar.finish_and_clear();
-    Ok(m?)
+    let m = m?;
+    if let Some(n) = m.notice() {
+        eprintln!("note: {n}");
+    }
+    eprintln!("loaded {} of weights in {:.1}s on {}", crate::memory::human(bytes), t0.elapsed().as_secs_f64(), m.device());
+    Ok(m)
 }
 
 /// Options shared by `generate` and `chat`.
@@ -83,35 +150,106 @@ pub struct GenOptions {
     pub sampling: SampleParams,
 }
 
-/// `markbase generate`: streams the continuation of `prompt` to stdout.
-pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Result<(), String> {
-    let tk = m.tokenizer()?;
-    let ids = if chat { tk.encode_chat(&[Message::user(prompt)])? } else { tk.encode(prompt, true)? };
-    let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
+/// Where a prompt comes from: `-p TEXT`, `-p -` (stdin) or `-f FILE`.
+pub fn read_prompt(text: Option<&str>, file: Option<&Path>) -> Result<String, String> {
+    match (text, file) {
+        (Some(_), Some(_)) => Err("give the prompt once: -p TEXT, -p - (stdin) or -f FILE".into()),
+        (None, None) => Err("no prompt: give -p TEXT, -p - (stdin) or -f FILE".into()),
+        (Some("-"), None) => {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map_err(|e| format!("reading the prompt from stdin: {e}"))?;
+            Ok(s)
+        }
+        (Some(t), None) => Ok(t.to_string()),
+        (None, Some(f)) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display())),
+    }
+}
+
+/// A rate over an interval, or `n/a` where there is none.
+fn rate(n: usize, seconds: f64) -> String {
+    if n == 0 || seconds <= 0.0 {
+        "n/a".into()
+    } else {
+        format!("{:.1} tok/s", n as f64 / seconds)
+    }
+}
+
+/// Why a generation stopped, in words.
+pub fn stop_words(why: Option<StopReason>, m: &Model, max_tokens: usize) -> String {
+    match why {
+        Some(StopReason::MaxTokens) => format!("max tokens ({max_tokens})"),
+        Some(StopReason::Stop) => "end of text (a stop token)".into(),
+        Some(StopReason::ContextFull) => format!("context full ({} tokens; raise --max-context)", m.max_context()),
+        None => "error".into(),
+    }
+}
+
+/// What one streamed generation did.
+struct Streamed {
+    n: usize,
+    /// Time to the first token (prefill), and from it to the last (decode).
+    first: f64,
+    decode: f64,
+    why: Option<StopReason>,
+}
+
+/// Streams a generation's text to stdout (and into `reply`).
+fn stream(g: &mut crate::model::Generation<'_>, reply: &mut String) -> Result<Streamed, String> {
     let t0 = std::time::Instant::now();
-    let mut n = 0;
     let mut out = std::io::stdout().lock();
-    let _ = write!(out, "{}", if chat { "" } else { prompt });
-    let mut first = None;
-    for piece in m.generate(&ids, params)? {
+    let (mut n, mut first, mut last) = (0, None, 0.0);
+    for piece in g.by_ref() {
         let p = piece?;
-        first.get_or_insert_with(|| t0.elapsed());
+        let now = t0.elapsed().as_secs_f64();
+        first.get_or_insert(now);
+        last = now;
         n += 1;
+        reply.push_str(&p.text);
         let _ = write!(out, "{}", p.text);
         let _ = out.flush();
     }
     let _ = writeln!(out);
-    let total = t0.elapsed().as_secs_f64();
-    let ttft = first.map(|d| d.as_secs_f64()).unwrap_or(total);
-    let rate = if n > 1 { (n - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
-    eprintln!("[{} prompt tokens, {} generated; first token {:.2}s; {:.1} tok/s; {}]", ids.len(), n, ttft, rate, m.device());
+    let first = first.unwrap_or(t0.elapsed().as_secs_f64());
+    Ok(Streamed { n, first, decode: last - first, why: g.stop_reason() })
+}
+
+/// `markbase generate`: streams the continuation of `prompt` to stdout.
+pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Result<(), String> {
+    o.sampling.validate()?;
+    let tk = m.tokenizer()?;
+    let ids = if chat { tk.encode_chat(&[Message::user(prompt)])? } else { tk.encode(prompt, true)? };
+    let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
+    let t = std::time::Instant::now();
+    m.prepare(ids.len(), &o.sampling)?;
+    let compile = t.elapsed().as_secs_f64();
+    let mut g = m.generate(&ids, params)?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = write!(out, "{}", if chat { "" } else { prompt });
+        let _ = out.flush();
+    }
+    let s = stream(&mut g, &mut String::new())?;
+    drop(g);
+    eprintln!("stopped: {}", stop_words(s.why, m, o.max_tokens));
+    eprintln!(
+        "[compile {compile:.2}s; {} prompt tokens, prefill {:.2}s ({}); {} generated, decode {}; {}]",
+        ids.len(),
+        s.first,
+        rate(ids.len(), s.first),
+        s.n,
+        rate(s.n.saturating_sub(1), s.decode),
+        crate::bench::short_device(&m.device())
+    );
     Ok(())
 }
 
-/// `markbase chat`: an interactive loop on stdin. The whole conversation is
-/// re-rendered with the chat template each turn.
-pub fn chat(m: &mut Model, o: &GenOptions) -> Result<(), String> {
-    let mut msgs: Vec<Message> = vec![];
+/// `markbase chat`: an interactive loop on stdin. Each turn feeds only what the
+/// conversation adds to the cached sequence (the template re-rendered, its common
+/// prefix with the cached tokens kept).
+pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>) -> Result<(), String> {
+    o.sampling.validate()?;
+    m.tokenizer()?;
+    let mut msgs: Vec<Message> = system.map(|s| vec![Message::system(s)]).unwrap_or_default();
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");
@@ -128,25 +266,38 @@ pub fn chat(m: &mut Model, o: &GenOptions) -> Result<(), String> {
         }
         msgs.push(Message::user(line));
         let ids = m.tokenizer()?.encode_chat(&msgs)?;
+        let common = m.tokens().iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        // at least one token is fed: the step that samples the reply's first token
+        let keep = common.min(ids.len().saturating_sub(1));
+        let reused = if keep > 0 && m.truncate(keep) {
+            keep
+        } else {
+            m.reset();
+            0
+        };
         let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
         let mut reply = String::new();
-        let mut out = std::io::stdout().lock();
-        let r: Result<(), String> = (|| {
-            for piece in m.generate(&ids, params)? {
-                let p = piece?;
-                reply.push_str(&p.text);
-                let _ = write!(out, "{}", p.text);
-                let _ = out.flush();
+        let r = m.generate_after(&ids[reused..], params).map_err(String::from).and_then(|mut g| stream(&mut g, &mut reply));
+        match r {
+            Ok(s) => {
+                if s.why != Some(StopReason::Stop) {
+                    eprintln!("stopped: {}", stop_words(s.why, m, o.max_tokens));
+                }
+                eprintln!(
+                    "[{} new prompt tokens ({} cached), prefill {:.2}s; {} generated, decode {}]",
+                    ids.len() - reused,
+                    reused,
+                    s.first,
+                    s.n,
+                    rate(s.n.saturating_sub(1), s.decode)
+                );
+                msgs.push(Message::assistant(reply.trim()));
             }
-            Ok(())
-        })();
-        let _ = writeln!(out);
-        if let Err(e) = r {
-            eprintln!("error: {e}");
-            msgs.pop();
-            continue;
+            Err(e) => {
+                eprintln!("error: {e}");
+                msgs.pop();
+            }
         }
-        msgs.push(Message::assistant(reply.trim()));
     }
 }
 
@@ -167,69 +318,155 @@ pub fn write_npy(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), Strin
     std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Parses `2,818,5279`.
+/// Parses `2,818,5279`; an empty entry (`2,,818`) is an error.
 pub fn parse_tokens(s: &str) -> Result<Vec<u32>, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err("no tokens given (--tokens 2,818,5279)".into());
+    }
     s.split(',')
-        .map(|t| t.trim())
-        .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().map_err(|_| format!("bad token id {t:?}")))
+        .enumerate()
+        .map(|(i, t)| match t.trim() {
+            "" => Err(format!("empty token id at position {} of {s:?}", i + 1)),
+            t => t.parse::<u32>().map_err(|_| format!("bad token id {t:?} in {s:?} (ids are integers >= 0)")),
+        })
         .collect()
 }
 
-/// `markbase logits`: f32 logits of every position of `tokens`, written as .npy.
-pub fn logits(m: &mut Model, tokens: &[u32], out: &Path) -> Result<String, String> {
+/// The output file of `logits`, opened before anything is computed; removed again
+/// if nothing gets written and it did not exist before.
+pub struct OutFile {
+    path: std::path::PathBuf,
+    created: bool,
+    written: bool,
+}
+
+impl OutFile {
+    pub fn check(path: &Path) -> Result<OutFile, String> {
+        let existed = path.exists();
+        if path.is_dir() {
+            return Err(format!("{}: is a directory", path.display()));
+        }
+        std::fs::OpenOptions::new().append(true).create(true).open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(OutFile { path: path.to_path_buf(), created: !existed, written: false })
+    }
+}
+
+impl Drop for OutFile {
+    fn drop(&mut self) {
+        if self.created && !self.written {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// What `logits` reports: the array written (`out`), and/or the `top` largest logits of each row.
+#[derive(Clone, Debug, Default)]
+pub struct LogitsOptions {
+    /// Only the last position.
+    pub last: bool,
+    /// Print the `top` largest ids and logits of each row.
+    pub top: Option<usize>,
+}
+
+/// `markbase logits`: f32 logits of every (or the last) position of `tokens`, written as
+/// .npy to `out` and/or printed as each row's top ids. Returns (stdout, stderr) text.
+pub fn logits(m: &mut Model, tokens: &[u32], out: Option<OutFile>, o: &LogitsOptions) -> Result<(String, String), String> {
     if tokens.is_empty() {
         return Err("no tokens given".into());
     }
-    let rows = m.logits(tokens)?;
+    let mut rows = m.logits(tokens)?;
+    let first = if o.last { rows.len() - 1 } else { 0 };
+    let rows = rows.split_off(first);
     let v = m.config.vocab_size;
-    write_npy(out, &[rows.len(), v], &rows.concat())?;
-    Ok(format!("wrote {} x {} logits to {}", rows.len(), v, out.display()))
+    let mut text = String::new();
+    if let Some(k) = o.top {
+        for (i, r) in rows.iter().enumerate() {
+            let mut idx: Vec<usize> = (0..r.len()).collect();
+            idx.sort_by(|&a, &b| r[b].total_cmp(&r[a]).then(a.cmp(&b)));
+            let top: Vec<String> = idx.iter().take(k).map(|&j| format!("{j}:{:.4}", r[j])).collect();
+            text.push_str(&format!("{}\t{}\t{}\n", first + i, tokens[first + i], top.join(" ")));
+        }
+    }
+    let mut note = String::new();
+    if let Some(mut f) = out {
+        write_npy(&f.path, &[rows.len(), v], &rows.concat())?;
+        f.written = true;
+        note = format!("wrote {} x {} logits to {}", rows.len(), v, f.path.display());
+    }
+    Ok((text, note))
 }
 
 /// `markbase inspect`.
-pub fn inspect(dir: &Path, json: bool) -> (String, bool) {
+pub fn inspect(dir: &Path, json: bool) -> Result<(String, bool), String> {
+    crate::model::check_dir(dir)?;
     let r = crate::inspect::inspect(dir);
     let s = if json { serde_json::to_string_pretty(&r.to_json()).unwrap_or_default() + "\n" } else { r.to_string() };
-    (s, r.ok())
+    Ok((s, r.ok()))
 }
 
-/// `markbase bench`.
-#[allow(clippy::too_many_arguments)]
-pub fn bench(
-    model: Option<&Path>,
-    synthetic: Option<&str>,
-    backend: Option<&str>,
-    prompt: usize,
-    gen: usize,
-    runs: usize,
-    bandwidth: f64,
-    profile: bool,
-    json: bool,
-) -> Result<String, String> {
+/// A device as the command line names it (`vulkan`, `cpu`).
+pub fn device_name(d: DeviceKind) -> String {
+    match d {
+        DeviceKind::Cpu => "cpu".into(),
+        DeviceKind::Gpu(Some(b)) => b.name().into(),
+        DeviceKind::Gpu(None) => "gpu".into(),
+    }
+}
+
+/// `markbase bench`: each table row is printed as it finishes (JSON: the array at the
+/// end). An error when no backend ran.
+pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str>, o: crate::bench::BenchOptions, json: bool) -> Result<(), String> {
     use crate::bench;
-    let (name, cfg, weights) = bench::source(model, synthetic)?;
-    let devices: Vec<DeviceKind> = match backend {
-        Some("all") => {
-            let mut v: Vec<DeviceKind> = crate::gpu::device::Backend::ALL
-                .iter()
-                .filter(|b| crate::gpu::device::Gpu::with_options(&crate::gpu::device::GpuOptions { backend: Some(**b), ..Default::default() }).is_ok())
-                .map(|b| DeviceKind::Gpu(Some(*b)))
-                .collect();
-            v.push(DeviceKind::Cpu);
-            v
+    if o.runs == 0 {
+        return Err("--runs must be at least 1".into());
+    }
+    if o.prompt == 0 || o.gen == 0 {
+        return Err("--prompt and --gen must be at least 1 token".into());
+    }
+    if let Some(b) = o.bandwidth {
+        if !(b.is_finite() && b > 0.0) {
+            return Err(format!("--bandwidth must be a positive number of bytes/s, got {b}"));
         }
+    }
+    let devices: Vec<DeviceKind> = match backend {
+        Some("all") => vec![],
         b => vec![parse_device(b)?],
     };
-    let o = bench::BenchOptions { prompt, gen, runs, bandwidth, profile };
+    let (name, cfg, weights) = bench::source(model, synthetic)?;
+    let devices = if devices.is_empty() {
+        let mut v: Vec<DeviceKind> = crate::gpu::device::Backend::ALL
+            .iter()
+            .filter(|b| crate::gpu::device::Gpu::with_options(&crate::gpu::device::GpuOptions { backend: Some(**b), ..Default::default() }).is_ok())
+            .map(|b| DeviceKind::Gpu(Some(*b)))
+            .collect();
+        v.push(DeviceKind::Cpu);
+        v
+    } else {
+        devices
+    };
+    let mut stdout = std::io::stdout().lock();
+    if !json {
+        let _ = write!(stdout, "{}", bench::table_header());
+        let _ = stdout.flush();
+    }
     let mut rows = vec![];
     for d in devices {
+        if o.profile && d == DeviceKind::Cpu {
+            eprintln!("note: --profile times GPU dispatches; the cpu row has no profile");
+        }
         let r = bench::bench_one(&name, &cfg, weights.clone(), d, &o)
-            .unwrap_or_else(|e| serde_json::json!({"model": name, "device": format!("{d:?}"), "error": e}));
+            .unwrap_or_else(|e| serde_json::json!({"model": name, "device": device_name(d), "error": e}));
         if !json {
-            eprintln!("{}", serde_json::to_string(&r).unwrap_or_default());
+            let _ = write!(stdout, "{}", bench::table_row(&r));
+            let _ = stdout.flush();
         }
         rows.push(r);
     }
-    Ok(if json { serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n" } else { bench::table(&rows) })
+    let _ = write!(stdout, "{}", if json { serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n" } else { bench::profile_tables(&rows) });
+    let _ = stdout.flush();
+    if rows.iter().all(|r| r.get("error").is_some()) {
+        return Err(format!("no backend ran ({} failed)", rows.len()));
+    }
+    Ok(())
 }

@@ -13,7 +13,7 @@
 //! ```
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use markbase_graph::builder::{BuildOptions, Outputs, RECENT_TOKENS};
@@ -52,6 +52,12 @@ pub struct ModelOptions {
     pub check_nan: bool,
     /// The fusion rules compiled graphs run (all by default; none: the graphs as built).
     pub fuse: FuseOptions,
+    /// With `DeviceKind::Gpu(None)` and no backend named in the environment: when the only
+    /// adapter is a software one (llvmpipe, lavapipe), run on the CPU reference executor
+    /// instead (it is faster there). [`Engine::notice`] says so.
+    pub cpu_if_software_gpu: bool,
+    /// Called with the name of each loading stage as it starts ("reading weights", "uploading").
+    pub stage: Option<Box<dyn Fn(&str) + Send + Sync>>,
 }
 
 impl Default for ModelOptions {
@@ -63,6 +69,8 @@ impl Default for ModelOptions {
             progress: None,
             check_nan: false,
             fuse: FuseOptions::all(),
+            cpu_if_software_gpu: false,
+            stage: None,
         }
     }
 }
@@ -76,6 +84,10 @@ enum Device {
 /// One model, ready to run: shared by its sessions.
 pub struct Engine {
     pub config: ModelConfig,
+    /// The checkpoint directory (for messages).
+    dir: Option<PathBuf>,
+    /// What loading decided on the caller's behalf (the CPU instead of a software GPU).
+    notice: Option<String>,
     checkpoint: Option<Checkpoint>,
     weights: Arc<Weights>,
     tokenizer: Option<Tokenizer>,
@@ -89,10 +101,20 @@ pub struct Engine {
 
 impl Engine {
     /// Opens a checkpoint directory, checks and loads the weights, and prepares the device.
+    /// Everything cheap is checked first: the directory, the context against the model's
+    /// positions, the device and whether the caches fit it, then the weights are read.
     pub fn load(dir: impl AsRef<Path>, opts: ModelOptions) -> Result<Arc<Engine>, Error> {
         let dir = dir.as_ref();
+        check_dir(dir)?;
         let ck = Checkpoint::open(dir)?;
-        let probe = ck.build(BuildOptions::decode(opts.max_context, opts.prefill_chunk.min(opts.max_context)))?;
+        check_context(ck.config(), opts.max_context, opts.prefill_chunk)?;
+        let chunk = opts.prefill_chunk.min(opts.max_context);
+        let probe = ck.build(BuildOptions::decode(opts.max_context, chunk))?;
+        let need = crate::memory::Needs::of(&probe, &ck.build(prefill_options(opts.max_context, chunk))?).map_err(Error::Config)?;
+        let (opened, notice) = open_device(&opts, &need)?;
+        if let Some(f) = &opts.stage {
+            f("reading weights");
+        }
         let lo = LoadOptions { progress: opts.progress.as_deref() };
         let (weights, _report) = ck.load_weights_with(&probe, &lo)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
@@ -101,31 +123,37 @@ impl Engine {
             None
         };
         let config = ck.config().clone();
-        Self::new(config, Some(ck), Arc::new(weights), tokenizer, &opts)
+        let parts = Parts { checkpoint: Some(ck), dir: Some(dir.to_path_buf()), notice, opened };
+        Self::new(config, parts, Arc::new(weights), tokenizer, &opts)
     }
 
     /// An engine from a config and weights already in memory (synthetic models).
     pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
-        Self::new(config, None, weights, tokenizer, opts)
+        check_context(&config, opts.max_context, opts.prefill_chunk)?;
+        let chunk = opts.prefill_chunk.min(opts.max_context);
+        let r = WeightsResolver(&weights);
+        let build = |o: &BuildOptions| markbase_graph::build(&config, &r, o).map_err(|e| Error::Config(e.to_string()));
+        let need = crate::memory::Needs::of(&build(&BuildOptions::decode(opts.max_context, chunk))?, &build(&prefill_options(opts.max_context, chunk))?)
+            .map_err(Error::Config)?;
+        let (opened, notice) = open_device(opts, &need)?;
+        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened }, weights, tokenizer, opts)
     }
 
-    fn new(
-        config: ModelConfig,
-        checkpoint: Option<Checkpoint>,
-        weights: Arc<Weights>,
-        tokenizer: Option<Tokenizer>,
-        opts: &ModelOptions,
-    ) -> Result<Arc<Engine>, Error> {
-        if opts.prefill_chunk == 0 || opts.max_context == 0 {
-            return Err(Error::Input("max_context and prefill_chunk must be > 0".into()));
-        }
-        let device = match opts.device {
-            DeviceKind::Cpu => Device::Cpu,
-            DeviceKind::Gpu(b) => Device::Gpu(GpuShared::new(b, &weights, opts.check_nan).map_err(Error::Device)?),
+    fn new(config: ModelConfig, parts: Parts, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
+        let device = match parts.opened {
+            Opened::Cpu => Device::Cpu,
+            Opened::Gpu(gpu) => {
+                if let Some(f) = &opts.stage {
+                    f("uploading");
+                }
+                Device::Gpu(GpuShared::with_gpu(*gpu, &weights, opts.check_nan, None).map_err(Error::Device)?)
+            }
         };
         Ok(Arc::new(Engine {
             config,
-            checkpoint,
+            dir: parts.dir,
+            notice: parts.notice,
+            checkpoint: parts.checkpoint,
             weights,
             tokenizer,
             device,
@@ -155,7 +183,18 @@ impl Engine {
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer, Error> {
-        self.tokenizer.as_ref().ok_or_else(|| Error::Load("this checkpoint has no tokenizer.json".into()))
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::Load(match &self.dir {
+                Some(d) => format!("{}: no such file (generating text needs the checkpoint's tokenizer)", d.join("tokenizer.json").display()),
+                None => "this model has no tokenizer".to_string(),
+            })
+        })
+    }
+
+    /// What loading decided on the caller's behalf, e.g. the CPU executor instead of a
+    /// software GPU adapter ([`ModelOptions::cpu_if_software_gpu`]).
+    pub fn notice(&self) -> Option<&str> {
+        self.notice.as_deref()
     }
 
     pub(crate) fn tokenizer_opt(&self) -> Option<&Tokenizer> {
@@ -273,6 +312,46 @@ impl Session {
         self.engine.max_context
     }
 
+    /// What loading decided on the caller's behalf (see [`Engine::notice`]).
+    pub fn notice(&self) -> Option<&str> {
+        self.engine.notice()
+    }
+
+    /// Tokens of the current sequence (those whose keys and values are cached).
+    pub fn tokens(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// Keeps only the first `n` tokens of the current sequence, so that a different
+    /// continuation can be fed after them. False (and nothing changed) where a
+    /// sliding-window cache has already overwritten positions the kept tokens need:
+    /// dropping more than one token is safe only while the sequence is shorter than
+    /// the window.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        let len = self.history.len();
+        if n >= len || !self.unread.is_empty() {
+            return n == len;
+        }
+        if len - n > 1 && len > self.config.sliding_window.min(self.engine.max_context) {
+            return false;
+        }
+        self.history.truncate(n);
+        true
+    }
+
+    /// Compiles the graphs a generation after a `prompt_len`-token prompt runs (each is
+    /// otherwise compiled on first use, inside the first step).
+    pub fn prepare(&mut self, prompt_len: usize, s: &SampleParams) -> Result<(), Error> {
+        let sample = !s.is_greedy();
+        let mut lens = prefill_steps(prompt_len, self.engine.chunk);
+        lens.push(1);
+        lens.dedup();
+        for tokens in lens {
+            self.graph(GraphKey { tokens, all_logits: false, sample })?;
+        }
+        Ok(())
+    }
+
     /// Counters of the last GPU step (submits, dispatches, encode time).
     pub fn gpu_stats(&mut self) -> Option<StepStats> {
         self.exec.stats()
@@ -359,6 +438,9 @@ impl Session {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to process".into()));
         }
+        if let Some(s) = sampling {
+            s.validate().map_err(Error::Sampling)?;
+        }
         let vocab = self.config.vocab_size as u32;
         if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
             return Err(Error::Input(format!("token id {bad} is outside the vocabulary ({vocab})")));
@@ -401,6 +483,91 @@ impl Session {
         let out = self.forward(ids, true, None)?;
         let v = self.config.vocab_size;
         Ok(out.logits.unwrap_or_default().chunks(v).map(|c| c.to_vec()).collect())
+    }
+}
+
+/// The prefill graph of one full chunk (at least 2 tokens), whose buffers a load checks.
+fn prefill_options(max_context: usize, chunk: usize) -> BuildOptions {
+    let mut o = BuildOptions::prefill(chunk.max(2), max_context.max(2));
+    o.chunk = chunk.max(2);
+    o
+}
+
+/// A device opened for a model, before the weights are uploaded.
+enum Opened {
+    Cpu,
+    Gpu(Box<crate::gpu::device::Gpu>),
+}
+
+/// What a load found beside the weights.
+struct Parts {
+    checkpoint: Option<Checkpoint>,
+    dir: Option<PathBuf>,
+    notice: Option<String>,
+    opened: Opened,
+}
+
+/// A model directory, told apart from what it is often confused with (a GGUF or
+/// safetensors file, a Hugging Face repository id, a mistyped path).
+pub fn check_dir(dir: &Path) -> Result<(), Error> {
+    const HOW: &str = "markbase reads MLX checkpoint directories (config.json, *.safetensors, tokenizer.json); \
+                       make one with `mlx_lm.convert --hf-path <repo or dir> --mlx-path DIR` (add -q to quantize)";
+    let d = dir.display();
+    if dir.is_file() {
+        return Err(Error::Load(format!("{d} is a file, not a model directory\n{HOW}")));
+    }
+    if !dir.exists() {
+        let repo_like = !dir.is_absolute() && dir.components().count() == 2 && !dir.starts_with(".");
+        let hint = if repo_like { " (a Hugging Face repository id is not downloaded: convert it first)" } else { "" };
+        return Err(Error::Load(format!("{d}: no such directory{hint}\n{HOW}")));
+    }
+    if !dir.join("config.json").is_file() {
+        return Err(Error::Load(format!("{d} has no config.json: not an MLX checkpoint\n{HOW}")));
+    }
+    Ok(())
+}
+
+/// The context and chunk lengths against each other and the model's positions.
+fn check_context(config: &ModelConfig, max_context: usize, chunk: usize) -> Result<(), Error> {
+    if max_context == 0 {
+        return Err(Error::Input("the max context (--max-context) must be at least 1 token".into()));
+    }
+    if chunk == 0 {
+        return Err(Error::Input("the prefill chunk must be at least 1 token".into()));
+    }
+    let limit = config.max_position_embeddings;
+    if limit > 0 && max_context > limit {
+        return Err(Error::Input(format!(
+            "a max context (--max-context) of {max_context} tokens exceeds this model's {limit} positions (max_position_embeddings in config.json)"
+        )));
+    }
+    Ok(())
+}
+
+/// Opens the device `opts` asks for and checks that the model's buffers fit it; on a
+/// software adapter, where allowed, the CPU instead (with a notice).
+fn open_device(opts: &ModelOptions, need: &crate::memory::Needs) -> Result<(Opened, Option<String>), Error> {
+    use crate::gpu::device::{Backend, Gpu, GpuOptions};
+    let dev = |e: String| Error::Device(e);
+    match opts.device {
+        DeviceKind::Cpu => {
+            need.fit_host().map_err(dev)?;
+            Ok((Opened::Cpu, None))
+        }
+        DeviceKind::Gpu(b) => {
+            let env = if b.is_none() { Backend::from_env().map_err(|e| Error::Input(e.to_string()))? } else { None };
+            let gpu = Gpu::with_options(&GpuOptions { backend: b, ..Default::default() }).map_err(|e| dev(e.to_string()))?;
+            if opts.cpu_if_software_gpu && b.is_none() && env.is_none() && gpu.info.device_type == "cpu" {
+                need.fit_host().map_err(dev)?;
+                let note = format!(
+                    "{} is a software GPU: running on the CPU reference executor, faster here (--backend {} forces it)",
+                    gpu.info.name, gpu.info.backend
+                );
+                return Ok((Opened::Cpu, Some(note)));
+            }
+            need.fit_gpu(&gpu.info.name, gpu.limits()).map_err(dev)?;
+            Ok((Opened::Gpu(Box::new(gpu)), None))
+        }
     }
 }
 

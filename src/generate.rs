@@ -1,5 +1,5 @@
-//! Streaming generation on a [`Session`]: sampling parameters, the token iterator, and
-//! pipelined decode steps (the next step queued before the current token is read).
+//! Streaming generation on a [`Session`]: sampling parameters, the token iterator, why it
+//! stopped, and pipelined decode steps (the next step queued before the current token is read).
 
 use crate::cpu::ops::SampleParams;
 use crate::engine::{Error, Session};
@@ -21,6 +21,17 @@ impl Default for GenerateParams {
     }
 }
 
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    /// A stop token (EOS, `<end_of_turn>`) was sampled.
+    Stop,
+    /// The sequence filled the context (`max_context` tokens).
+    ContextFull,
+}
+
 /// One generated token.
 #[derive(Clone, Debug)]
 pub struct Piece {
@@ -32,11 +43,26 @@ pub struct Piece {
 impl Session {
     /// Streams up to `max_tokens` tokens after `prompt` (a fresh sequence).
     pub fn generate(&mut self, prompt: &[u32], params: GenerateParams) -> Result<Generation<'_>, Error> {
+        params.sampling.validate().map_err(Error::Sampling)?;
         self.reset();
-        if prompt.is_empty() {
+        self.generate_after(prompt, params)
+    }
+
+    /// Streams up to `max_tokens` tokens after the current sequence extended by `ids`:
+    /// the cached keys and values of the sequence so far are kept (a chat's next turn).
+    pub fn generate_after(&mut self, ids: &[u32], params: GenerateParams) -> Result<Generation<'_>, Error> {
+        params.sampling.validate().map_err(Error::Sampling)?;
+        if ids.is_empty() {
             return Err(Error::Input("empty prompt".into()));
         }
-        Ok(Generation { session: self, prompt: prompt.to_vec(), params, produced: vec![], next: None, done: false, in_flight: 0 })
+        if self.position() + ids.len() > self.max_context() {
+            return Err(Error::Input(if self.position() == 0 {
+                format!("the prompt has {} tokens, more than the context of {} tokens: raise the max context (--max-context) or shorten the prompt", ids.len(), self.max_context())
+            } else {
+                format!("context full: {} + {} tokens exceed the context of {} tokens", self.position(), ids.len(), self.max_context())
+            }));
+        }
+        Ok(Generation { session: self, prompt: ids.to_vec(), params, produced: vec![], pending: None, done: false, stop: None, in_flight: 0 })
     }
 }
 
@@ -46,8 +72,10 @@ pub struct Generation<'a> {
     prompt: Vec<u32>,
     params: GenerateParams,
     produced: Vec<u32>,
-    next: Option<u32>,
+    /// Unpipelined: the last token, fed when the next one is asked for.
+    pending: Option<u32>,
     done: bool,
+    stop: Option<StopReason>,
     /// Pipelined decode steps submitted and not read yet.
     in_flight: usize,
 }
@@ -58,9 +86,23 @@ impl Generation<'_> {
         &self.produced
     }
 
+    /// Why the generation ended (`None` while it runs, or after an error).
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stop
+    }
+
+    fn finish(&mut self, why: StopReason) -> Result<Option<Piece>, Error> {
+        self.done = true;
+        self.stop = Some(why);
+        Ok(None)
+    }
+
     fn step(&mut self) -> Result<Option<Piece>, Error> {
-        if self.done || self.produced.len() >= self.params.max_tokens {
+        if self.done {
             return Ok(None);
+        }
+        if self.produced.len() >= self.params.max_tokens {
+            return self.finish(StopReason::MaxTokens);
         }
         let s = self.params.sampling;
         let pipelined = self.session.can_pipeline(&s);
@@ -75,7 +117,8 @@ impl Generation<'_> {
             t
         } else if pipelined {
             if self.in_flight == 0 {
-                return Ok(None);
+                // a step is always queued while tokens remain, unless the context is full
+                return self.finish(StopReason::ContextFull);
             }
             // Keep the GPU busy: the next step is queued before this one is read.
             if more_after(self.produced.len()) && self.session.position() < self.session.max_context() {
@@ -85,35 +128,44 @@ impl Generation<'_> {
             self.in_flight -= 1;
             self.session.take_decode()?
         } else {
-            match self.next.take() {
-                Some(t) => t,
-                None => return Ok(None),
+            let Some(t) = self.pending.take() else {
+                return self.finish(StopReason::ContextFull);
+            };
+            if self.session.position() >= self.session.max_context() {
+                return self.finish(StopReason::ContextFull);
             }
+            // the step runs when its token is asked for, so that timing a piece times its step
+            self.session.forward(&[t], false, Some(&s))?.token
         };
-        if self.params.stop_at_eos {
-            if let Some(tk) = self.session.engine().tokenizer_opt() {
-                if tk.stop_ids.contains(&tok) {
-                    self.done = true;
-                    return Ok(None);
-                }
-            } else if self.session.config.eos_token_ids.contains(&tok) {
-                self.done = true;
-                return Ok(None);
-            }
+        let stops = match self.session.engine().tokenizer_opt() {
+            Some(tk) => tk.stop_ids.contains(&tok),
+            None => self.session.config.eos_token_ids.contains(&tok),
+        };
+        if self.params.stop_at_eos && stops {
+            return self.finish(StopReason::Stop);
         }
         let text = match (self.session.engine().tokenizer_opt(), self.params.text) {
             (Some(tk), true) => tk.decode_incremental(&self.produced, tok).map_err(Error::Input)?,
             _ => String::new(),
         };
         self.produced.push(tok);
-        if !pipelined && self.produced.len() < self.params.max_tokens {
-            if self.session.position() >= self.session.max_context() {
-                self.done = true;
-            } else {
-                self.next = Some(self.session.forward(&[tok], false, Some(&s))?.token);
-            }
+        if !pipelined {
+            self.pending = Some(tok);
         }
         Ok(Some(Piece { token: tok, text }))
+    }
+}
+
+impl Drop for Generation<'_> {
+    /// Reads the decode steps still queued, so that the sequence stays consistent
+    /// (a following [`Session::generate_after`] continues it).
+    fn drop(&mut self) {
+        while self.in_flight > 0 {
+            self.in_flight -= 1;
+            if self.session.take_decode().is_err() {
+                break;
+            }
+        }
     }
 }
 

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod gpu;
 pub mod inspect;
 pub mod loader;
+pub mod memory;
 pub mod model;
 pub mod quant;
 pub mod synthetic;

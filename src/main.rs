@@ -33,6 +33,24 @@ enum Phases {
 }
 
 #[derive(Args, Clone)]
+struct FuseArgs {
+    /// Turn fusion rules off, to bisect a numerical bug: all of them, or a comma-separated
+    /// list (`--no-fuse=norm_add,geglu`) of norm_rope, norm_add, norm_matmul, kv_write,
+    /// attention_rope, geglu, kv_append.
+    #[arg(long, value_name = "RULES", num_args = 0..=1, require_equals = true, default_missing_value = "all")]
+    no_fuse: Option<String>,
+}
+
+impl FuseArgs {
+    /// The fusion rules left on (all without the flag).
+    fn options(&self) -> Result<markbase::graph::FuseOptions, String> {
+        self.no_fuse.as_deref().map_or(Ok(markbase::graph::FuseOptions::all()), |rules| {
+            markbase::graph::FuseOptions::without(rules).map_err(|e| format!("--no-fuse: {e}"))
+        })
+    }
+}
+
+#[derive(Args, Clone)]
 struct RunArgs {
     /// Model directory (MLX checkpoint).
     #[arg(short = 'm', long = "model")]
@@ -40,13 +58,15 @@ struct RunArgs {
     /// vulkan | metal | dx12 | gl | cpu (default: MARKBASE_BACKEND, else the platform's best GPU).
     #[arg(long)]
     backend: Option<String>,
-    /// KV-cache length.
-    #[arg(long, default_value_t = 4096)]
-    max_context: usize,
+    /// KV-cache length in tokens (default: the model's positions, at most 4096).
+    #[arg(long)]
+    max_context: Option<usize>,
     /// Debug numerics: one submission per node, every output read back; stops at the
     /// first node producing NaN or Inf and names it (dump id, op, weights).
     #[arg(long)]
     check_nan: bool,
+    #[command(flatten)]
+    fuse: FuseArgs,
 }
 
 #[derive(Args, Clone)]
@@ -54,15 +74,15 @@ struct SampleArgs {
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// Temperature; 0 = greedy.
-    #[arg(long = "temp", default_value_t = 0.0)]
+    #[arg(long = "temp", default_value_t = 0.0, allow_negative_numbers = true)]
     temp: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     top_k: u32,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0)]
     seed: u32,
@@ -99,6 +119,8 @@ enum Cmd {
         max_context: usize,
         #[arg(long, value_enum, default_value = "two")]
         phases: Phases,
+        #[command(flatten)]
+        fuse: FuseArgs,
     },
     /// Describe a checkpoint: family, layers, parameters, quantization, memory, problems.
     Inspect {
@@ -110,8 +132,12 @@ enum Cmd {
     Generate {
         #[command(flatten)]
         run: RunArgs,
+        /// The prompt; `-` reads it from stdin.
         #[arg(short = 'p', long)]
-        prompt: String,
+        prompt: Option<String>,
+        /// Read the prompt from a file.
+        #[arg(short = 'f', long = "file")]
+        file: Option<PathBuf>,
         /// Wrap the prompt in the checkpoint's chat template.
         #[arg(long)]
         chat: bool,
@@ -122,6 +148,9 @@ enum Cmd {
     Chat {
         #[command(flatten)]
         run: RunArgs,
+        /// A system prompt before the first turn.
+        #[arg(long)]
+        system: Option<String>,
         #[command(flatten)]
         sample: SampleArgs,
     },
@@ -144,14 +173,16 @@ enum Cmd {
         /// vulkan | metal | dx12 | gl | cpu | all.
         #[arg(long)]
         backend: Option<String>,
-        /// Bandwidth to report the fraction of, in bytes/s.
-        #[arg(long, default_value_t = 4.3e12)]
-        bandwidth: f64,
-        /// Also a per-op GPU profile of one decode step.
+        /// Bandwidth to report the fraction of, in bytes/s (default: the adapter's, where known).
+        #[arg(long)]
+        bandwidth: Option<f64>,
+        /// Also a per-op GPU profile of one decode step (GPU backends).
         #[arg(long)]
         profile: bool,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        fuse: FuseArgs,
     },
     /// Write the f32 logits of every position of a token sequence as .npy.
     Logits {
@@ -160,8 +191,15 @@ enum Cmd {
         /// Comma-separated token ids.
         #[arg(long)]
         tokens: String,
-        #[arg(long, default_value = "logits.npy")]
-        out: PathBuf,
+        /// The .npy file to write (default: logits.npy, unless --top is given).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Only the last position.
+        #[arg(long)]
+        last: bool,
+        /// Print the K largest ids and logits of each position (`position token id:logit ...`).
+        #[arg(long, value_name = "K")]
+        top: Option<usize>,
     },
 }
 
@@ -171,15 +209,47 @@ fn out(s: &str) {
     let _ = std::io::stdout().lock().write_all(s.as_bytes());
 }
 
-fn load(run: &RunArgs) -> Result<markbase::model::Model, String> {
-    let dev = cli::parse_device(run.backend.as_deref())?;
-    cli::load_model(&run.model, dev, run.max_context, run.check_nan)
+fn load(run: &RunArgs, need_tokenizer: bool) -> Result<markbase::model::Model, String> {
+    let device = cli::parse_device(run.backend.as_deref())?;
+    let o = cli::LoadOptions {
+        device,
+        cpu_if_software_gpu: cli::device_is_default(run.backend.as_deref()),
+        max_context: run.max_context,
+        check_nan: run.check_nan,
+        need_tokenizer,
+        fuse: run.fuse.options()?,
+    };
+    cli::load_model(&run.model, &o)
 }
 
+/// Points `XDG_RUNTIME_DIR` at a private directory when it is unset or unusable (not
+/// an absolute path to a directory of ours, closed to others), as GPU drivers expect.
+#[cfg(unix)]
+fn ensure_runtime_dir() {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+    let usable = |p: &std::path::Path| {
+        p.is_absolute()
+            && std::fs::metadata(p).is_ok_and(|m| m.is_dir() && uid.map_or(true, |u| m.uid() == u) && m.permissions().mode() & 0o077 == 0)
+    };
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|v| usable(std::path::Path::new(&v))) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("markbase-runtime-{}", uid.unwrap_or(0)));
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    if usable(&dir) {
+        std::env::set_var("XDG_RUNTIME_DIR", &dir);
+    }
+}
+
+#[cfg(not(unix))]
+fn ensure_runtime_dir() {}
+
 fn main() -> ExitCode {
+    ensure_runtime_dir();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Graph { model_dir, format, tokens, max_context, phases } => {
+        Cmd::Graph { model_dir, format, tokens, max_context, phases, fuse } => {
             let fmt = match format {
                 DumpFormat::Text => cli::DumpFormat::Text,
                 DumpFormat::Json => cli::DumpFormat::Json,
@@ -190,28 +260,45 @@ fn main() -> ExitCode {
                 Phases::PerLayer => markbase::graph::PhasePolicy::PerLayer,
                 Phases::One => markbase::graph::PhasePolicy::Step,
             };
-            cli::graph(&model_dir, fmt, tokens, max_context, policy).map(|s| out(&s))
+            fuse.options().and_then(|f| cli::graph(&model_dir, fmt, tokens, max_context, policy, &f)).map(|s| out(&s))
         }
-        Cmd::Inspect { model_dir, json } => {
-            let (s, ok) = cli::inspect(&model_dir, json);
+        Cmd::Inspect { model_dir, json } => cli::inspect(&model_dir, json).and_then(|(s, ok)| {
             out(&s);
             if ok {
                 Ok(())
             } else {
                 Err("the checkpoint has problems (listed above)".into())
             }
+        }),
+        Cmd::Generate { run, prompt, file, chat, sample } => {
+            let o = sample.options();
+            o.sampling.validate().and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref())).and_then(|text| {
+                load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &o))
+            })
         }
-        Cmd::Generate { run, prompt, chat, sample } => {
-            load(&run).and_then(|mut m| cli::generate(&mut m, &prompt, chat, &sample.options()))
+        Cmd::Chat { run, system, sample } => {
+            let o = sample.options();
+            o.sampling.validate().and_then(|()| load(&run, true)).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref()))
         }
-        Cmd::Chat { run, sample } => load(&run).and_then(|mut m| cli::chat(&mut m, &sample.options())),
-        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json } => {
-            cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), prompt, gen, runs, bandwidth, profile, json)
-                .map(|s| out(&s))
-        }
-        Cmd::Logits { run, tokens, out: path } => cli::parse_tokens(&tokens)
-            .and_then(|t| load(&run).and_then(|mut m| cli::logits(&mut m, &t, &path)))
-            .map(|s| eprintln!("{s}")),
+        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, fuse } => fuse.options().and_then(|fuse| {
+            let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse };
+            cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
+        }),
+        Cmd::Logits { run, tokens, out: path, last, top } => (|| {
+            let t = cli::parse_tokens(&tokens)?;
+            if top == Some(0) {
+                return Err("--top must be at least 1".to_string());
+            }
+            let path = path.or_else(|| top.is_none().then(|| PathBuf::from("logits.npy")));
+            let file = path.as_deref().map(cli::OutFile::check).transpose()?;
+            let mut m = load(&run, false)?;
+            let (text, note) = cli::logits(&mut m, &t, file, &cli::LogitsOptions { last, top })?;
+            out(&text);
+            if !note.is_empty() {
+                eprintln!("{note}");
+            }
+            Ok(())
+        })(),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -16,9 +16,9 @@
 //! ```
 
 pub use crate::cpu::ops::SampleParams;
-pub use crate::engine::{DeviceKind, Engine, Error, ModelOptions, Session};
+pub use crate::engine::{check_dir, DeviceKind, Engine, Error, ModelOptions, Session};
 pub use crate::exec::{CpuExecutor, Executor, GraphKey, StepOutput};
-pub use crate::generate::{GenerateParams, Generation, Piece};
+pub use crate::generate::{GenerateParams, Generation, Piece, StopReason};
 
 /// A session on an engine of its own.
 pub type Model = Session;

@@ -148,3 +148,300 @@ fn bench_profile_names_ops_and_weights() {
     // the device column names the backend (one adapter may be found through several)
     assert!(["(vulkan) |", "(metal) |", "(dx12) |", "(gl) |"].iter().any(|b| out.contains(b)), "no backend in the device column: {out}");
 }
+
+const Q4: &str = "tests/fixtures/gemma3_text-q4";
+
+/// Runs with extra environment (`Some`) or variables removed (`None`), and stdin.
+fn run_env(args: &[&str], env: &[(&str, Option<&str>)], stdin: &str) -> (bool, String, String) {
+    use std::io::Write;
+    let mut c = bin();
+    c.args(args).current_dir(root());
+    for (k, v) in env {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    let mut child = c
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run markbase");
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+}
+
+/// Fails with a one-line `error:` naming `want`, without a panic.
+fn fails_with(args: &[&str], want: &str) -> String {
+    let (ok, out, err) = run(args);
+    assert!(!ok, "{args:?} succeeded: {out}{err}");
+    assert!(err.contains("error: ") && err.contains(want), "{args:?}: wanted {want:?} in {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    err
+}
+
+/// A copy of a fixture in a fresh temporary directory, with `edit` applied.
+fn fixture_copy(name: &str, edit: impl Fn(&std::path::Path)) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("markbase-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(root().join(Q4)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    edit(&dir);
+    dir
+}
+
+#[test]
+fn sampling_parameters_out_of_range_are_refused() {
+    let base = ["generate", "-m", Q4, "--backend", "cpu", "-p", "w1"];
+    for (flag, v, want) in [
+        ("--min-p", "5", "min-p must be in [0, 1]"),
+        ("--temp", "nan", "temperature must be a finite number"),
+        ("--temp", "-1", "temperature must be a finite number"),
+        ("--top-p", "0", "top-p must be in (0, 1]"),
+        ("--repetition-penalty", "0", "repetition penalty must be"),
+    ] {
+        let mut a = base.to_vec();
+        a.extend([flag, v]);
+        fails_with(&a, want);
+    }
+    fails_with(&["chat", "-m", Q4, "--backend", "cpu", "--min-p", "2"], "min-p");
+}
+
+#[test]
+fn context_limits_are_errors_in_the_users_terms() {
+    let base = ["generate", "-m", Q4, "--backend", "cpu", "-p", "w1"];
+    fails_with(&[&base[..], &["--max-context", "0"]].concat(), "--max-context) must be at least 1 token");
+    fails_with(&[&base[..], &["--max-context", "2000000"]].concat(), "exceeds this model's 1024 positions");
+    // a model claiming 4e9 positions: the caches cannot be allocated
+    let big = fixture_copy("bigctx", |d| {
+        let c = std::fs::read_to_string(d.join("config.json")).unwrap();
+        std::fs::write(d.join("config.json"), c.replace("\"max_position_embeddings\": 1024", "\"max_position_embeddings\": 4000000000")).unwrap();
+    });
+    let m = big.to_str().unwrap();
+    let err = fails_with(&["generate", "-m", m, "--backend", "cpu", "-p", "w1", "--max-context", "2000000000"], "lower --max-context");
+    assert!(err.contains("GiB"), "{err}");
+    // no adapter binds one layer's 11.9 GiB of keys (wgpu bindings stay below 4 GiB)
+    let err = fails_with(&["generate", "-m", m, "--backend", "vulkan", "-p", "w1", "--max-context", "50000000"], "limit: lower --max-context");
+    assert!(err.contains("11.9 GiB"), "{err}");
+    let _ = std::fs::remove_dir_all(big);
+}
+
+#[test]
+fn a_full_context_is_said_to_stop_the_generation() {
+    let (ok, out, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", "w1 w2 w3 w4 w5 w6", "--max-context", "12", "--max-tokens", "40"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("w1 w2"), "{out}");
+    assert!(err.contains("stopped: context full (12 tokens"), "{err}");
+    assert!(err.contains("6 generated"), "{err}");
+    let (ok, _, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", "w1", "--max-tokens", "3"]);
+    assert!(ok && err.contains("stopped: max tokens (3)"), "{err}");
+}
+
+#[test]
+fn rates_need_an_interval() {
+    let (ok, _, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", "w1 w2", "--max-tokens", "1"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("1 generated, decode n/a"), "{err}");
+    assert!(err.contains("prefill"), "{err}");
+    let (ok, _, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", "w1 w2", "--max-tokens", "3"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("3 generated, decode ") && !err.contains("decode n/a"), "{err}");
+}
+
+#[test]
+fn prompts_come_from_files_and_stdin() {
+    let f = std::env::temp_dir().join(format!("markbase-prompt-{}.txt", std::process::id()));
+    std::fs::write(&f, "w7 w8 w9").unwrap();
+    let args = ["generate", "-m", Q4, "--backend", "cpu", "--max-tokens", "2"];
+    let (ok, out, err) = run(&[&args[..], &["-f", f.to_str().unwrap()]].concat());
+    assert!(ok && out.starts_with("w7 w8 w9"), "{out}{err}");
+    let (ok, out, err) = run_env(&[&args[..], &["-p", "-"]].concat(), &[], "w4 w5");
+    assert!(ok && out.starts_with("w4 w5"), "{out}{err}");
+    let _ = std::fs::remove_file(&f);
+    fails_with(&[&args[..], &["-p", "w1", "-f", "x.txt"]].concat(), "give the prompt once");
+    fails_with(&args, "no prompt");
+    fails_with(&[&args[..], &["-f", "/nonexistent/prompt.txt"]].concat(), "/nonexistent/prompt.txt");
+}
+
+#[test]
+fn what_is_not_a_checkpoint_is_named_with_the_way_to_get_one() {
+    let gguf = std::env::temp_dir().join(format!("markbase-{}.gguf", std::process::id()));
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    for (m, want) in [(gguf.to_str().unwrap(), "is a file"), ("google/gemma-3-270m", "Hugging Face"), ("/nonexistent/model", "no such directory")] {
+        for args in [&["generate", "-m", m, "--backend", "cpu", "-p", "hi"][..], &["inspect", m], &["graph", m], &["bench", "-m", m, "--backend", "cpu"]] {
+            let err = fails_with(args, want);
+            assert!(err.contains("MLX checkpoint") && err.contains("mlx_lm.convert"), "{err}");
+        }
+    }
+    let _ = std::fs::remove_file(gguf);
+    fails_with(&["generate", "-m", "tests/fixtures", "--backend", "cpu", "-p", "hi"], "has no config.json");
+}
+
+#[test]
+fn cheap_checks_come_before_loading() {
+    let no_tok = fixture_copy("notok", |d| std::fs::remove_file(d.join("tokenizer.json")).unwrap());
+    let err = fails_with(&["generate", "-m", no_tok.to_str().unwrap(), "--backend", "cpu", "-p", "hi"], "tokenizer.json: no such file");
+    assert!(err.contains(no_tok.to_str().unwrap()) && !err.contains("loaded"), "{err}");
+    // logits need no tokenizer
+    let (ok, out, err) = run(&["logits", "-m", no_tok.to_str().unwrap(), "--backend", "cpu", "--tokens", "2,5", "--top", "1"]);
+    assert!(ok && out.lines().count() == 2, "{out}{err}");
+    let _ = std::fs::remove_dir_all(no_tok);
+    let (ok, _, err) = run_env(&["generate", "-m", Q4, "-p", "hi"], &[("MARKBASE_BACKEND", Some("bogus"))], "");
+    assert!(!ok && err.contains("\"bogus\"") && !err.contains("loaded"), "{err}");
+    let err = fails_with(&["generate", "-m", Q4, "--backend", "bogus", "-p", "hi"], "unknown backend");
+    assert!(!err.contains("loaded"), "{err}");
+    let err = fails_with(&["logits", "-m", Q4, "--backend", "cpu", "--tokens", "2,5", "--out", "/nonexistent/dir/l.npy"], "/nonexistent/dir/l.npy");
+    assert!(!err.contains("loaded"), "{err}");
+    fails_with(&["logits", "-m", Q4, "--backend", "cpu", "--tokens", "2,,818"], "empty token id at position 2");
+    fails_with(&["logits", "-m", Q4, "--backend", "cpu", "--tokens", "2,-1"], "bad token id \"-1\"");
+    fails_with(&["logits", "-m", Q4, "--backend", "cpu", "--tokens", " "], "no tokens given");
+}
+
+#[test]
+fn logits_of_the_last_position_and_their_top_ids() {
+    let npy = std::env::temp_dir().join(format!("markbase-last-{}.npy", std::process::id()));
+    let (ok, out, err) =
+        run(&["logits", "-m", Q4, "--backend", "cpu", "--tokens", "2,5,9", "--last", "--top", "3", "--out", npy.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let b = std::fs::read(&npy).unwrap();
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert!(String::from_utf8_lossy(&b[10..10 + hlen]).contains("(1, 512)"));
+    let row: Vec<f32> = b[10 + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    // `position token id:logit ...`
+    let line: Vec<&str> = out.trim().split('\t').collect();
+    assert_eq!(out.lines().count(), 1, "{out}");
+    assert_eq!(&line[..2], ["2", "9"]);
+    let ids: Vec<usize> = line[2].split(' ').map(|p| p.split(':').next().unwrap().parse().unwrap()).collect();
+    assert_eq!(ids, idx[..3]);
+    let _ = std::fs::remove_file(npy);
+    // --top alone prints and writes nothing
+    let (ok, out, err) = run(&["logits", "-m", Q4, "--backend", "cpu", "--tokens", "2,5,9", "--top", "2"]);
+    assert!(ok && out.lines().count() == 3 && !err.contains("wrote"), "{out}{err}");
+}
+
+#[test]
+fn a_software_adapter_defaults_to_the_cpu_unless_a_backend_is_named() {
+    let args = ["generate", "-m", Q4, "-p", "w1", "--max-tokens", "2"];
+    let (ok, _, forced) = run_env(&args, &[("MARKBASE_BACKEND", Some("vulkan"))], "");
+    assert!(ok, "{forced}");
+    assert!(forced.contains("gpu: "), "MARKBASE_BACKEND=vulkan must run on the GPU: {forced}");
+    let (ok, _, err) = run_env(&args, &[("MARKBASE_BACKEND", None), ("WGPU_BACKEND", None)], "");
+    assert!(ok, "{err}");
+    if forced.contains("(vulkan, cpu,") {
+        // the only Vulkan adapter is a software one
+        assert!(err.contains("is a software GPU: running on the CPU reference executor"), "{err}");
+        assert!(err.contains("cpu (reference"), "{err}");
+    } else {
+        assert!(err.contains("gpu: ") && !err.contains("software GPU"), "{err}");
+    }
+    let (ok, _, err) = run_env(&[&args[..], &["--backend", "vulkan"]].concat(), &[("MARKBASE_BACKEND", None)], "");
+    assert!(ok && err.contains("gpu: ") && !err.contains("software GPU"), "{err}");
+}
+
+#[test]
+fn gpu_runs_need_no_runtime_dir_from_the_environment() {
+    let (ok, _, err) = run_env(&["generate", "-m", Q4, "--backend", "vulkan", "-p", "w1", "--max-tokens", "1"], &[("XDG_RUNTIME_DIR", None)], "");
+    assert!(ok, "{err}");
+    assert!(!err.contains("XDG_RUNTIME_DIR"), "{err}");
+}
+
+#[test]
+fn dot_labels_break_lines_and_graph_token_counts_are_checked() {
+    let (ok, out, err) = run(&["graph", "configs/gemma3-270m", "--format", "dot", "--tokens", "4"]);
+    assert!(ok, "{err}");
+    assert!(!out.contains("\\\\n"), "a label with a literal \\n");
+    assert!(out.lines().filter(|l| l.contains("shape=box") && l.contains("\\n")).count() > 100, "{out}");
+    fails_with(&["graph", "configs/gemma3-270m", "--tokens", "0"], "--tokens must be at least 1");
+    fails_with(&["graph", "configs/gemma3-270m", "--tokens", "100000"], "exceeds the context of 4096");
+}
+
+#[test]
+fn bench_refuses_what_it_cannot_do_and_says_so() {
+    let tiny = ["bench", "--synthetic", "tiny-gemma3", "--prompt", "8", "--gen", "2"];
+    fails_with(&[&tiny[..], &["--runs", "0"]].concat(), "--runs must be at least 1");
+    // every backend failing is a failure; devices are named as on the command line
+    let (ok, out, err) = run_env(&[&tiny[..], &["--runs", "1", "--backend", "vulkan"]].concat(), &[("VK_DRIVER_FILES", Some("/nonexistent/icd.json")), ("VK_ICD_FILENAMES", Some("/nonexistent/icd.json"))], "");
+    assert!(!ok, "{out}{err}");
+    assert!(out.contains("| vulkan | error: ") && !out.contains("Gpu("), "{out}");
+    assert!(err.contains("no backend ran"), "{err}");
+    // the CPU row: no NaN, no fraction of an unknown bandwidth, and no profile
+    let (ok, out, err) = run(&[&tiny[..], &["--runs", "1", "--backend", "cpu", "--profile"]].concat());
+    assert!(ok, "{err}");
+    assert!(err.contains("the cpu row has no profile"), "{err}");
+    let row = out.lines().find(|l| l.contains("| cpu |")).unwrap_or_else(|| panic!("{out}"));
+    assert!(!row.contains("NaN") && !row.contains('%'), "{row}");
+    let (ok, out, err) = run(&[&tiny[..], &["--runs", "1", "--backend", "cpu", "--bandwidth", "1e9"]].concat());
+    assert!(ok && out.lines().any(|l| l.contains("| cpu |") && l.contains('%')), "{out}{err}");
+}
+
+#[test]
+fn chat_keeps_the_conversation_cached() {
+    let dir = fixture_copy("chat", |d| {
+        let t = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}\
+                 {% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+        std::fs::write(d.join("chat_template.jinja"), t).unwrap();
+    });
+    // the GPU pipelines decode steps: the steps still queued at a turn's end are read first
+    for backend in ["cpu", "vulkan"] {
+        let (ok, _, err) = run_env(
+            &["chat", "-m", dir.to_str().unwrap(), "--backend", backend, "--max-tokens", "3", "--system", "w9 w8"],
+            &[],
+            "w1 w2\nw3\nw4 w5\n/exit\n",
+        );
+        assert!(ok, "{err}");
+        let turns: Vec<&str> = err.lines().filter(|l| l.contains("new prompt tokens")).collect();
+        assert_eq!(turns.len(), 3, "{err}");
+        assert!(turns[0].contains("(0 cached)"), "{err}");
+        for t in &turns[1..] {
+            let cached: usize = t.split(" cached)").next().unwrap().rsplit('(').next().unwrap().parse().unwrap();
+            assert!(cached > 0, "{backend}: a turn re-ran the conversation: {err}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--no-fuse` on graph, logits, generate and bench: the dump shows no fused node (and, with
+/// a list, none of those rules), the logits stay those of the fused graphs within the
+/// fixtures' bound, and an unknown rule is an error naming the rules.
+#[test]
+fn no_fuse_switches_rules_off_on_every_command() {
+    let fused = run(&["graph", Q4, "--max-context", "64"]);
+    assert!(fused.0 && fused.1.contains("[fused: kv_append]") && fused.1.contains("[fused: norm_matmul]"), "{}", fused.2);
+    let none = run(&["graph", Q4, "--max-context", "64", "--no-fuse"]);
+    assert!(none.0 && !none.1.contains("[fused:") && !none.1.contains("norm_matmul"), "{}", none.2);
+    let some = run(&["graph", Q4, "--max-context", "64", "--no-fuse=kv_append,geglu"]);
+    assert!(some.0 && !some.1.contains("[fused: kv_append]") && !some.1.contains("[fused: geglu]") && some.1.contains("[fused: norm_matmul]"));
+    let json = run(&["graph", Q4, "--max-context", "64", "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&json.1).unwrap();
+    assert!(v["nodes"].as_array().unwrap().iter().any(|n| n["fused_by"] == "kv_append"));
+    let e = fails_with(&["graph", Q4, "--no-fuse=norm_add,bogus"], "unknown fusion rule 'bogus'");
+    assert!(e.contains("kv_append"), "{e}");
+
+    let logits = |extra: &[&str]| {
+        let npy = std::env::temp_dir().join(format!("markbase-fuse-{}-{}.npy", std::process::id(), extra.len()));
+        let mut args = vec!["logits", "-m", Q4, "--backend", "cpu", "--tokens", "2,5,9,14", "--out", npy.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = run(&args);
+        assert!(ok, "{err}");
+        let b = std::fs::read(&npy).unwrap();
+        let _ = std::fs::remove_file(&npy);
+        let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+        b[10 + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>()
+    };
+    let (a, b) = (logits(&[]), logits(&["--no-fuse"]));
+    let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(a.len() == 4 * 512 && d <= 1e-5 * scale, "fused and unfused logits differ by {d} (max {scale})");
+
+    let (ok, out, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", "Hello", "--max-tokens", "3", "--no-fuse"]);
+    assert!(ok && !out.is_empty(), "{err}");
+    let (ok, _, err) = run(&["bench", "-m", Q4, "--backend", "cpu", "--prompt", "8", "--gen", "2", "--runs", "1", "--no-fuse=norm_add"]);
+    assert!(ok, "{err}");
+}

@@ -7,7 +7,10 @@
 #   * tools/real_model_refs.py: mlx-lm f32 references in models/gemma3-270m-refs/.
 # Everything is cached under models/ (git-ignored); a second run only verifies.
 # Env: PYTHON (default python3), REAL_MODEL_JOBS (refs worker processes, default 2),
-#      REAL_MODEL_FORCE=1 to rebuild everything.
+#      REAL_MODEL_FORCE=1 to rebuild everything,
+#      REAL_MODEL_VARIANTS (comma list of bf16,q8,q4,mxfp4; default all),
+#      REAL_MODEL_REFS=0 to skip the mlx-lm references (only the tests need them),
+#      REAL_MODEL_CHECKS=0 to skip the mlx-lm generation checks of the checkpoints.
 set -euo pipefail
 
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
@@ -15,6 +18,9 @@ PY="${PYTHON:-python3}"
 JOBS="${REAL_MODEL_JOBS:-2}"
 FORCE=()
 if [ "${REAL_MODEL_FORCE:-0}" = "1" ]; then FORCE=(--force); fi
+ARGS=()
+if [ -n "${REAL_MODEL_VARIANTS:-}" ]; then ARGS+=(--variants "$REAL_MODEL_VARIANTS"); fi
+if [ "${REAL_MODEL_CHECKS:-1}" = "0" ]; then ARGS+=(--no-model-checks); fi
 
 # Pinned: the direct needs, plus transformers/protobuf/jinja2 that mlx-lm pulls
 # in and the scripts use (tokenizer loading, the SentencePiece proto, the chat
@@ -56,6 +62,10 @@ fi
 
 export TRANSFORMERS_VERBOSITY=error
 export TOKENIZERS_PARALLELISM=false
-"$PY" tools/real_model.py "${FORCE[@]}"
-"$PY" tools/real_model_refs.py --jobs "$JOBS" "${FORCE[@]}"
+"$PY" tools/real_model.py ${FORCE[@]+"${FORCE[@]}"} ${ARGS[@]+"${ARGS[@]}"}
+if [ "${REAL_MODEL_REFS:-1}" = "0" ]; then
+  echo "[setup-real-model] references skipped (REAL_MODEL_REFS=0)"
+else
+  "$PY" tools/real_model_refs.py --jobs "$JOBS" ${FORCE[@]+"${FORCE[@]}"}
+fi
 echo "[setup-real-model] done in $(( $(date +%s) - start ))s"

@@ -178,6 +178,10 @@ pub fn to_dot(c: &Compiled) -> String {
         for &n in ph {
             let node = g.node(n);
             let (_, op) = kind_str(&node.kind);
+            let op = match node.rule {
+                Some(rule) => format!("{op} [fused: {rule}]"),
+                None => op,
+            };
             s.push_str(&format!(
                 "    n{} [shape=ellipse, label=\"%{} {}\\n{}\\n{}\"];\n",
                 node.id,
@@ -195,9 +199,10 @@ pub fn to_dot(c: &Compiled) -> String {
         if class == "op" {
             continue;
         }
+        // each line escaped on its own: the `\n` between them is DOT's line break
         let label = match &node.kind {
-            NodeKind::Weight { weight } => format!("{}\\n{}", weight.name, weight.format.describe()),
-            _ => format!("{}\\n{}", node.name, node.ty.describe()),
+            NodeKind::Weight { weight } => format!("{}\\n{}", dot_escape(&weight.name), dot_escape(&weight.format.describe())),
+            _ => format!("{}\\n{}", dot_escape(&node.name), dot_escape(&node.ty.describe())),
         };
         let color = match class {
             "weight" => "lightblue",
@@ -208,7 +213,7 @@ pub fn to_dot(c: &Compiled) -> String {
             "  n{} [shape=box, style=filled, fillcolor={color}, label=\"%{} {}\"];\n",
             node.id,
             node.id,
-            dot_escape(&label)
+            label
         ));
     }
     for n in g.g.node_indices() {

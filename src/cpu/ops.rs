@@ -401,6 +401,26 @@ impl Default for SampleParams {
 }
 
 impl SampleParams {
+    /// Checks every parameter's range: temperature finite and >= 0, top_p in (0, 1],
+    /// min_p in [0, 1], repetition penalty finite and > 0 (top_k, unsigned, is always valid).
+    pub fn validate(&self) -> Result<(), String> {
+        let t = self.temperature;
+        if !t.is_finite() || t < 0.0 {
+            return Err(format!("temperature must be a finite number >= 0 (0 = greedy), got {t}"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top-p must be in (0, 1] (1 = off), got {}", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(format!("min-p must be in [0, 1] (0 = off), got {}", self.min_p));
+        }
+        let r = self.repetition_penalty;
+        if !r.is_finite() || r <= 0.0 {
+            return Err(format!("repetition penalty must be a finite number > 0 (1 = off), got {r}"));
+        }
+        Ok(())
+    }
+
     /// Whether the pick is the plain argmax of the logits (temperature 0, no penalty).
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 && self.repetition_penalty == 1.0

@@ -1,0 +1,109 @@
+//! What a model's buffers need, checked against the device before anything is
+//! allocated: each GPU buffer against the adapter's binding and buffer limits, the
+//! CPU's caches against the memory available.
+
+use markbase_graph::ir::{Graph, NodeKind};
+use markbase_graph::passes::{compile, PhasePolicy};
+
+/// Byte sizes of a model's buffers at one context length.
+#[derive(Clone, Debug, Default)]
+pub struct Needs {
+    /// Every KV-cache buffer together (decode graph states).
+    pub kv_bytes: u64,
+    /// The largest KV-cache buffer (one layer's keys or values).
+    pub largest_kv: u64,
+    /// The largest intermediate (pool) buffer of a decode step or a prefill chunk.
+    pub largest_pool: u64,
+    /// All intermediate buffers of a prefill chunk together.
+    pub pool_bytes: u64,
+}
+
+fn bytes(shape: &[usize]) -> u64 {
+    let n: u128 = shape.iter().map(|&d| d as u128).product::<u128>() * 4;
+    n.min(u64::MAX as u128) as u64
+}
+
+/// `1536 KiB`, `512 MiB`, `3.2 GiB`.
+pub fn human(b: u64) -> String {
+    const K: f64 = 1024.0;
+    let f = b as f64;
+    if f >= K * K * K {
+        format!("{:.1} GiB", f / (K * K * K))
+    } else if f >= K * K {
+        format!("{:.0} MiB", f / (K * K))
+    } else {
+        format!("{:.0} KiB", f / K)
+    }
+}
+
+impl Needs {
+    /// The needs of a decode graph and a prefill-chunk graph (both at the model's context).
+    pub fn of(decode: &Graph, prefill: &Graph) -> Result<Needs, String> {
+        let mut n = Needs::default();
+        for i in decode.g.node_indices() {
+            let node = decode.node(i);
+            if let NodeKind::State { .. } = node.kind {
+                let b = bytes(&node.ty.shape);
+                n.kv_bytes = n.kv_bytes.saturating_add(b);
+                n.largest_kv = n.largest_kv.max(b);
+            }
+        }
+        for (g, policy) in [(decode, PhasePolicy::Step), (prefill, PhasePolicy::EmbedLayersHead)] {
+            let c = compile(g.clone(), policy).map_err(|e| e.to_string())?;
+            let sizes = c.alloc.pool_sizes.iter().map(|&s| s as u64);
+            n.largest_pool = n.largest_pool.max(sizes.clone().max().unwrap_or(0));
+            n.pool_bytes = n.pool_bytes.max(sizes.sum());
+        }
+        Ok(n)
+    }
+
+    /// Every buffer within the adapter's largest storage binding and largest buffer.
+    pub fn fit_gpu(&self, adapter: &str, limits: &wgpu::Limits) -> Result<(), String> {
+        let binding = limits.max_storage_buffer_binding_size as u64;
+        let buffer = limits.max_buffer_size;
+        for (size, what) in [(self.largest_kv, "the KV cache of one layer"), (self.largest_pool, "an intermediate buffer")] {
+            for (limit, name) in [(binding, "storage binding"), (buffer, "buffer")] {
+                if size > limit {
+                    return Err(format!(
+                        "{what} needs {}, more than {adapter}'s {} {name} limit: lower --max-context (KV cache in all: {})",
+                        human(size),
+                        human(limit),
+                        human(self.kv_bytes)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The CPU executor's caches and one prefill chunk's values within the memory available.
+    pub fn fit_host(&self) -> Result<(), String> {
+        let need = self.kv_bytes.saturating_add(self.pool_bytes);
+        let refuse = |have: String| {
+            Err(format!(
+                "the KV cache ({}) and a prefill chunk's buffers ({}) need more than {have}: lower --max-context",
+                human(self.kv_bytes),
+                human(self.pool_bytes)
+            ))
+        };
+        match available_memory() {
+            Some(avail) if need > avail => refuse(format!("the {} of memory available", human(avail))),
+            Some(_) => Ok(()),
+            None => {
+                let mut probe: Vec<u8> = vec![];
+                match usize::try_from(need).ok().map(|n| probe.try_reserve_exact(n)) {
+                    Some(Ok(())) => Ok(()),
+                    _ => refuse("what can be allocated".into()),
+                }
+            }
+        }
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, where there is one.
+fn available_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
