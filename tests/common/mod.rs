@@ -377,8 +377,37 @@ pub fn check_fixtures(names: &[&str], device: DeviceKind) {
     }
     assert!(failed.is_empty(), "{} fixtures fail:\n{}", failed.len(), failed.join("\n"));
 }
+/// Greedy choices `tokens` against reference logits `rows` (one row per token): where a
+/// token is not its row's argmax it must nearly tie with it, its logit within `tie` ×
+/// max|row| of the row's largest. Returns the count of such near-tie misses.
+pub fn near_tie_misses<'r>(what: &str, rows: impl IntoIterator<Item = &'r [f32]>, tokens: &[u32], tie: f32) -> Result<usize, String> {
+    let mut misses = 0;
+    let mut n = 0;
+    for (j, (row, &t)) in rows.into_iter().zip(tokens).enumerate() {
+        n += 1;
+        if !row.iter().all(|v| v.is_finite()) {
+            return Err(format!("{what}: NaN/Inf at step {j}"));
+        }
+        let top = markbase::cpu::ops::argmax(row);
+        if top == t {
+            continue;
+        }
+        let gap = row[top as usize] - row[t as usize];
+        if gap > tie * max_abs(row) {
+            return Err(format!("{what}: step {j} takes {t}, the reference's argmax {top} is ahead by {gap:.3e} (not a near-tie)"));
+        }
+        misses += 1;
+    }
+    if n != tokens.len() {
+        return Err(format!("{what}: {n} rows for {} tokens", tokens.len()));
+    }
+    Ok(misses)
+}
+
 /// A greedy decode of `n` tokens on the GPU from the fixture's first 10 tokens, with a
-/// 640-slot context, agrees with the CPU reference's argmax at 99% of the steps, with no NaN.
+/// 640-slot context, agrees with the CPU reference's argmax wherever the CPU's choice is
+/// clear, with no NaN. Each device is within the fixture's logits bound of mlx-lm, so
+/// they may disagree only where the top logits are within twice that bound.
 pub fn long_decode_matches_cpu(name: &str, n: usize) {
     use markbase::model::GenerateParams;
     let r = reference(name);
@@ -393,19 +422,16 @@ pub fn long_decode_matches_cpu(name: &str, n: usize) {
     let opts = ModelOptions { device: DeviceKind::Cpu, max_context: 640, prefill_chunk: 64, ..Default::default() };
     let mut cpu = Model::load(fixture(name), opts).unwrap();
     let rows = cpu.logits(&seq).unwrap();
-    greedy_agrees(name, &rows, prompt.len(), &gen);
+    greedy_agrees(name, &rows, prompt.len(), &gen, 2.0 * bound(name).logits);
 }
 
 /// The CPU reference's logits `rows` (of the prompt and the generated tokens but the last)
-/// are finite, and their argmax is the generated token `gen` at >= 99% of the steps.
-pub fn greedy_agrees(name: &str, rows: &[Vec<f32>], prompt_len: usize, gen: &[u32]) {
-    let mut agree = 0;
-    for (j, &t) in gen.iter().enumerate() {
-        let row = &rows[prompt_len - 1 + j];
-        assert!(row.iter().all(|v| v.is_finite()), "{name}: NaN/Inf at step {j}");
-        agree += (markbase::cpu::ops::argmax(row) == t) as usize;
-    }
+/// are finite, and their argmax is the generated token `gen` but at near-ties (the top
+/// logits within `tie` × max|row|), at most 1% of the steps.
+pub fn greedy_agrees(name: &str, rows: &[Vec<f32>], prompt_len: usize, gen: &[u32], tie: f32) {
+    let steps = rows[prompt_len - 1..].iter().map(|r| r.as_slice());
+    let misses = near_tie_misses(name, steps, gen, tie).unwrap_or_else(|e| panic!("{e}"));
     let n = gen.len();
-    println!("{name}: GPU greedy and CPU argmax agree at {agree}/{n} steps");
-    assert!(agree * 100 >= 99 * n, "{name}: only {agree}/{n}");
+    println!("{name}: GPU greedy and CPU argmax agree at {}/{n} steps, the others near-ties", n - misses);
+    assert!(misses * 100 <= n, "{name}: {misses}/{n} near-tie misses");
 }
