@@ -115,9 +115,14 @@ fn must_fail(name: &str, what: &str, bug: Bug) {
     };
     let r = common::check_fixture_with(name, DeviceKind::Cpu, Some(&edit));
     assert!(graphs.get() > 0 && untouched.get() == 0, "{name} {what}: {} of {} graphs have no op to change", untouched.get(), graphs.get());
-    match r {
-        Ok(e) => panic!("{name} with {what} passes the fixture comparison: {e:?}"),
-        Err(e) => println!("{name} with {what}: fails: {e}"),
+    let e = r.err().unwrap_or_else(|| panic!("{name} with {what} passes the fixture comparison"));
+    // the logits alone (what a run without the layers' outputs sees) fail too
+    let reference = common::reference(name);
+    let mut run = common::FixtureRun::new(name, DeviceKind::Cpu, Some(&edit)).unwrap();
+    let (logits, _) = run.step(&reference.tokens, false).unwrap();
+    match common::compare(name, &logits, &reference.prefill, reference.vocab, common::bound(name).logits) {
+        Ok(rel) => panic!("{name} with {what}: the prefill logits pass ({rel:.2e} of max)"),
+        Err(l) => println!("{name} with {what} fails: {e}\n    logits alone: {l}"),
     }
 }
 
