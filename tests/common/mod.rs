@@ -1,6 +1,6 @@
-//! Shared helpers of the model test suites: fixture references, the per-family
-//! comparison bounds against mlx-lm's float32 outputs, and a fixture runner that
-//! reads every decoder layer's output besides the logits.
+//! Shared helpers of the model test suites: fixture references, the bounds of each
+//! fixture (family and quantization) against mlx-lm's float32 outputs, and a fixture
+//! runner that reads every decoder layer's output besides the logits.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -161,7 +161,7 @@ pub fn compare_hidden(what: &str, got: &[Vec<f32>], want: &[Vec<f32>], bounds: &
         let scale = max_abs(w);
         let rel = max_abs_diff(&format!("{what} layer {i}"), g, w)? / scale;
         if rel > bound {
-            return Err(format!("{what}: layer {i} is the first to diverge: max |Δ| {rel:.2e} × max|ref| {scale:.2}, bound {bound:.1e}"));
+            return Err(format!("{what}: layer {i} is the first to diverge: max |Δ| / max|ref| = {rel:.2e} (max|ref| {scale:.2}), bound {bound:.1e}"));
         }
         errs.push(rel);
     }
@@ -169,7 +169,9 @@ pub fn compare_hidden(what: &str, got: &[Vec<f32>], want: &[Vec<f32>], bounds: &
 }
 
 /// Marks the output of every decoder layer as graph output `hidden_{i}`: the last op
-/// node of layer i, in execution order, whose value is `f32[T, hidden_size]`.
+/// node of layer i, in execution order, whose value is `f32[T, hidden_size]` (the
+/// residual stream after the layer, Gemma 4's layer scalar included: what mlx-lm's
+/// decoder layer returns and the fixtures store as `hidden_i`).
 pub fn mark_layer_outputs(g: &mut Graph, layers: usize, hidden_size: usize) -> Result<(), String> {
     let want = [g.tokens, hidden_size];
     let mut last = vec![None; layers];
