@@ -272,7 +272,7 @@ pub struct Session {
     graphs: HashMap<GraphKey, Arc<Compiled>>,
     /// Tokens of the current sequence (their K/V are in the caches).
     history: Vec<u32>,
-    /// Steps run so far in this sequence (the sampler's counter).
+    /// Tokens sampled so far in this sequence (the sampler's counter).
     steps: u32,
     /// Graph executions, for tests and benchmarks.
     pub runs: usize,
@@ -465,12 +465,14 @@ impl Session {
             let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent };
             last = self.exec.run(key, &self.graphs[&key], &step, all_logits).map_err(Error::Device)?;
             self.runs += 1;
-            self.steps += 1;
             self.history.extend_from_slice(chunk);
             if all_logits {
                 all.extend(last.logits.take().unwrap_or_default());
             }
         }
+        // one sampler step per call: the token of the last position (the steps before it
+        // sample nothing that is kept), whatever steps the prompt ran in
+        self.steps += 1;
         if all_logits {
             last.logits = Some(all);
         }

@@ -28,12 +28,11 @@ fn is_fused(op: &Op) -> bool {
     )
 }
 
+/// Every fixture unfused: logits and every layer's output within the fixture's bound.
 fn run_unfused(device: DeviceKind) {
     for name in fixtures() {
-        let mut o = common::fixture_options(device);
-        o.fuse = FuseOptions::none();
-        let (d, s) = common::check_fixture_with(&name, o);
-        println!("{name} unfused: max |Δ| {d:.3e} (max |logit| {s:.2})");
+        let e = common::check_fixture_fused(&name, device, None, FuseOptions::none()).unwrap_or_else(|e| panic!("{e}"));
+        println!("{name} unfused: prefill {:.2e}, decode {:.2e} of max |logit|", e.prefill, e.decode);
     }
 }
 
@@ -100,9 +99,7 @@ fn each_rule_has_a_switch() {
             let g = &m.graph(key).unwrap().graph;
             assert!(g.op_nodes().all(|n| g.node(n).rule != Some(rule)), "{rule} off, yet it fused");
         }
-        let mut o = common::fixture_options(DeviceKind::Cpu);
-        o.fuse = FuseOptions::without(rule).unwrap();
-        common::check_fixture_with(name, o);
+        common::check_fixture_fused(name, DeviceKind::Cpu, None, FuseOptions::without(rule).unwrap()).unwrap_or_else(|e| panic!("{rule} off: {e}"));
     }
     assert!(FuseOptions::without("norm_add,bogus").unwrap_err().contains("bogus"));
     assert_eq!(FuseOptions::without("all").unwrap(), FuseOptions::none());

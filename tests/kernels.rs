@@ -40,11 +40,14 @@ fn env() -> &'static Env {
     })
 }
 
+/// Seed of the randomized kernel cases unless `MARKBASE_TEST_SEED` replays another.
+const DEFAULT_SEED: u64 = 0x6d61_726b_6261_7365;
+
 fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("MARKBASE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+    let seed = match std::env::var("MARKBASE_TEST_SEED") {
+        Ok(s) => s.parse().unwrap_or_else(|_| panic!("MARKBASE_TEST_SEED={s} is not a u64")),
+        Err(_) => DEFAULT_SEED,
+    };
     println!("{test}: seed {seed} (MARKBASE_TEST_SEED={seed} replays it)");
     StdRng::seed_from_u64(seed)
 }

@@ -42,6 +42,63 @@ fn graph_for(cp: &Checkpoint) -> (Graph, bool) {
     }
 }
 
+/// Gemma 3n's text-model weights as mlx-lm's `gemma3n` model declares them, from
+/// `config.json` alone (not from the checkpoint's tensors): modules (`X.weight`,
+/// quantizable) by module path, plain tensors by tensor name, with their float shapes;
+/// formats as the checkpoint resolves them.
+fn gemma3n_spec(cp: &Checkpoint) -> Vec<WeightParam> {
+    let j = cp.config_json();
+    let c = j.get("text_config").unwrap_or(j);
+    let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("config {k}")) as usize;
+    let (h, layers, d) = (n("hidden_size"), n("num_hidden_layers"), n("head_dim"));
+    let (nq, nkv, pd, alt, rank) = (n("num_attention_heads"), n("num_key_value_heads"), n("hidden_size_per_layer_input"), n("altup_num_inputs"), n("laurel_rank"));
+    let inter: Vec<usize> = match &c["intermediate_size"] {
+        serde_json::Value::Array(a) => a.iter().map(|v| v.as_u64().unwrap() as usize).collect(),
+        v => vec![v.as_u64().unwrap() as usize; layers],
+    };
+    let pre = cp.prefix();
+    let mut out = vec![];
+    let mut add = |rel: String, shape: Vec<usize>, module: bool| {
+        let name = format!("{pre}{rel}");
+        let format = cp.format(&name, &shape, module);
+        out.push(WeightParam { name, shape, format, module });
+    };
+    add("embed_tokens".into(), vec![n("vocab_size"), h], true);
+    add("embed_tokens_per_layer".into(), vec![n("vocab_size_per_layer_input"), layers * pd], true);
+    add("per_layer_model_projection".into(), vec![layers * pd, h], true);
+    add("per_layer_projection_norm.weight".into(), vec![pd], false);
+    for k in 0..alt - 1 {
+        add(format!("altup_projections.{k}"), vec![h, h], true);
+        add(format!("altup_unembed_projections.{k}"), vec![h, h], true);
+    }
+    add("norm.weight".into(), vec![h], false);
+    for i in 0..layers {
+        let l = |rel: &str| format!("layers.{i}.{rel}");
+        for norm in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"] {
+            add(l(&format!("{norm}.weight")), vec![h], false);
+        }
+        for (proj, rows, cols) in [("q_proj", nq * d, h), ("k_proj", nkv * d, h), ("v_proj", nkv * d, h), ("o_proj", h, nq * d)] {
+            add(l(&format!("self_attn.{proj}")), vec![rows, cols], true);
+        }
+        add(l("self_attn.q_norm.weight"), vec![d], false);
+        add(l("self_attn.k_norm.weight"), vec![d], false);
+        add(l("mlp.gate_proj"), vec![inter[i], h], true);
+        add(l("mlp.up_proj"), vec![inter[i], h], true);
+        add(l("mlp.down_proj"), vec![h, inter[i]], true);
+        add(l("altup.correction_coefs"), vec![alt, alt], true);
+        add(l("altup.prediction_coefs"), vec![alt * alt, alt], true);
+        add(l("altup.modality_router"), vec![alt, h], true);
+        add(l("altup.router_norm.weight"), vec![h], false);
+        add(l("altup.correct_output_scale"), vec![h], false);
+        add(l("laurel.linear_left"), vec![rank, h], true);
+        add(l("laurel.linear_right"), vec![h, rank], true);
+        add(l("laurel.post_laurel_norm.weight"), vec![h], false);
+        add(l("per_layer_input_gate"), vec![pd, h], true);
+        add(l("per_layer_projection"), vec![h, pd], true);
+    }
+    out
+}
+
 fn synthetic_graph(params: Vec<WeightParam>) -> Graph {
     let mut g = Graph::new(1, GraphKind::Prefill);
     for p in params {
@@ -165,6 +222,22 @@ fn every_fixture_loads_cleanly_with_expected_formats() {
         if cfg.family == Family::Gemma3 {
             assert!(built, "{name}: the Gemma 3 builder must accept it");
         }
+        // Without a builder the weights expected are the family's spec, which the
+        // checkpoint must hold exactly (names and float shapes).
+        let g = if built {
+            g
+        } else {
+            assert_eq!(cfg.family, Family::Gemma3n, "{name}: no builder and no weight spec");
+            let spec = gemma3n_spec(&cp);
+            let key = |p: &WeightParam| (p.name.clone(), p.shape.clone(), p.module);
+            let want: std::collections::BTreeSet<_> = spec.iter().map(key).collect();
+            let held: std::collections::BTreeSet<_> = cp.params().iter().map(key).collect();
+            assert_eq!(want.len(), spec.len(), "{name}: spec names repeat");
+            let missing: Vec<_> = want.difference(&held).collect();
+            let extra: Vec<_> = held.difference(&want).collect();
+            assert!(missing.is_empty() && extra.is_empty(), "{name}: missing {missing:?}, not in the spec {extra:?}");
+            synthetic_graph(spec)
+        };
         let (weights, report) = cp.load_weights(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(report.is_empty(), "{name}: {report}");
         assert!(!weights.map.is_empty());

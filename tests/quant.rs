@@ -249,7 +249,7 @@ fn inconsistent_inputs_are_errors_not_panics() {
 }
 
 #[test]
-fn large_embedding_table_is_fast() {
+fn large_embedding_table_decodes() {
     // 262144 x 640 at 4-bit g64 (the Gemma 3 270M embedding).
     let (rows, cols) = (262_144usize, 640usize);
     let words: Vec<u32> = (0..rows * cols / 8).map(|i| (i as u32).wrapping_mul(2654435761)).collect();
@@ -276,9 +276,16 @@ fn large_embedding_table_is_fast() {
     let t = std::time::Instant::now();
     dequantize_rows(&w, 0..rows, &mut again);
     let decode = t.elapsed();
+    // Timings are printed, not asserted (shared machines); `benches/` measures speed.
     eprintln!("dequantize 262144x640 4-bit: {el:?} (decode only: {decode:?})");
-    assert!(el.as_secs_f64() < 1.0, "too slow: {el:?}");
-    assert!(decode.as_secs_f64() < 0.5, "decoding too slow: {decode:?}");
+    // Every row decodes as the formula says (rows spread over the table, both paths).
+    for row in [1, 4097, rows / 2 + 3, rows - 1] {
+        for col in [0, 7, 63, 64, cols - 1] {
+            let i = row * cols + col;
+            let code = (words[i / 8] >> (4 * (i % 8))) & 15;
+            assert_eq!(again[i], 0.0625 * code as f32 - 0.5, "row {row} col {col}");
+        }
+    }
 }
 
 // ---- fixture cases: bit-exact against mx.dequantize ----
@@ -300,10 +307,8 @@ impl CaseFile {
 #[test]
 fn fixture_cases_bit_exact() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant");
-    let Ok(json) = std::fs::read_to_string(dir.join("cases.json")) else {
-        eprintln!("tests/fixtures/quant missing; skipped");
-        return;
-    };
+    let json = std::fs::read_to_string(dir.join("cases.json"))
+        .unwrap_or_else(|e| panic!("tests/fixtures/quant/cases.json ({e}): run tools/make_fixtures.py --only quant"));
     let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
     let bytes = std::fs::read(dir.join("cases.safetensors")).unwrap();
     let header = safetensors::parse(&bytes, "cases.safetensors").unwrap();

@@ -67,14 +67,15 @@ fn tokenizer_and_chat_template() {
 }
 
 /// Forced decoding of mlx-lm's own greedy tokens (4 prompts x 32 positions): argmax
-/// agrees at >= 99% of positions and max |logit - mlx-lm| <= 1e-3 x max|logit|.
+/// agrees at >= 99% of positions, the others near-ties of mlx-lm's logits, and
+/// max |logit - mlx-lm| <= 1e-3 x max|logit|.
 #[test]
 fn forced_decoding_matches_mlx_lm() {
     for name in ["q4", "bf16"] {
         let mut m = gpu(name);
         let v = m.config.vocab_size;
         let (mut agree, mut total, mut maxd, mut scale) = (0, 0, 0f32, 0f32);
-        for p in refs(name) {
+        for (k, p) in refs(name).iter().enumerate() {
             let mut seq = p.ids.clone();
             seq.extend_from_slice(&p.gen[..p.gen.len() - 1]);
             let rows = m.logits(&seq).unwrap();
@@ -89,6 +90,11 @@ fn forced_decoding_matches_mlx_lm() {
                 agree += (markbase::cpu::ops::argmax(got) == p.gen[j]) as usize;
                 total += 1;
             }
+            // a position where the GPU's argmax is not mlx-lm's must be a near-tie of mlx-lm's
+            // logits: within twice the logits bound below
+            let want_rows = p.logits.chunks(v).take(p.gen.len());
+            let chosen: Vec<u32> = (0..p.gen.len()).map(|j| markbase::cpu::ops::argmax(&rows[p.ids.len() - 1 + j])).collect();
+            common::near_tie_misses(&format!("{name} p{k}"), want_rows, &chosen, 2e-3).unwrap_or_else(|e| panic!("{e}"));
         }
         println!("{name}: argmax agrees at {agree}/{total}; max |Δ| {maxd:.4} (max |logit| {scale:.2})");
         assert!(agree * 100 >= 99 * total, "{name}: argmax {agree}/{total}");
@@ -117,7 +123,8 @@ fn greedy_generation_matches_mlx_lm() {
 }
 
 /// 1,000 generated tokens, far past the 512-token sliding window: no NaN, and the
-/// CPU reference (run on the same tokens) picks the same argmax at >= 99% of steps.
+/// CPU reference (run on the same tokens) picks the same argmax at >= 99% of steps, the
+/// others near-ties (within 2e-3 x max|logit|: twice the bound of the forced decoding).
 #[test]
 fn thousand_token_generation_matches_cpu_reference() {
     let n = 1000;
@@ -135,5 +142,5 @@ fn thousand_token_generation_matches_cpu_reference() {
     let t = std::time::Instant::now();
     let rows = cpu.logits(&seq).unwrap();
     println!("CPU reference: {} positions in {:.0}s", seq.len(), t.elapsed().as_secs_f64());
-    common::greedy_agrees("gemma3-270m q4", &rows, prompt.len(), &gen);
+    common::greedy_agrees("gemma3-270m q4", &rows, prompt.len(), &gen, 2e-3);
 }
