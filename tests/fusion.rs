@@ -25,6 +25,7 @@ fn is_fused(op: &Op) -> bool {
             | Op::NormRope { .. }
             | Op::KvWriteNormRope { .. }
             | Op::NormRopeAttention { .. }
+            | Op::GeGlu
     )
 }
 
@@ -76,9 +77,10 @@ fn rules_fire_and_switch_off() {
             fired.sort_unstable();
             fired.dedup();
             let want: Vec<&str> = match (name, key.tokens) {
-                (_, 5) => vec!["norm_add", "norm_rope"],
+                (_, 5) => vec!["gelu_mul", "norm_add", "norm_rope"],
                 ("gemma3_text-q4", _) => vec!["geglu", "kv_append", "norm_add", "norm_matmul"],
-                _ => vec!["attention_rope", "geglu", "kv_write", "norm_add", "norm_matmul"],
+                // the PLE gate and the experts' GeGLU stay plain GeGLUs
+                _ => vec!["attention_rope", "geglu", "gelu_mul", "kv_write", "norm_add", "norm_matmul"],
             };
             assert_eq!(fired, want, "{name} tokens {}", key.tokens);
         }

@@ -6,37 +6,39 @@
 //!
 //! The rules run in a fixed order, each over the whole graph:
 //! 1. `norm_rope`: `rope(rms_norm(x))` → [`Op::NormRope`] (the q/k norms and their RoPE).
-//! 2. `norm_add`: `res + rms_norm(x)` (the norm the second operand, as builders add a
+//! 2. `gelu_mul`: `gelu(a) * b` → [`Op::GeGlu`] (a GeGLU's activation and product).
+//! 3. `norm_add`: `res + rms_norm(x)` (the norm the second operand, as builders add a
 //!    block's output to the residual) → [`Op::RmsNormAdd`], and that sum times a scalar
 //!    weight → the scaled variant (Gemma 4's layer scalar).
-//! 3. `norm_matmul` (one-token graphs): a norm read only by matmuls → [`Op::NormMatMul`]; the
+//! 4. `norm_matmul` (one-token graphs): a norm read only by matmuls → [`Op::NormMatMul`]; the
 //!    q/k/v projections of one norm, each read as heads, become one `NormMatMul` over all
 //!    their weights whose consumers take head ranges of it.
-//! 4. `kv_write` (one-token graphs): a cache write of a normed (and rotated) value →
+//! 5. `kv_write` (one-token graphs): a cache write of a normed (and rotated) value →
 //!    [`Op::KvWriteNormRope`].
-//! 5. `attention_rope` (one-token graphs): attention over a normed, rotated query →
+//! 6. `attention_rope` (one-token graphs): attention over a normed, rotated query →
 //!    [`Op::NormRopeAttention`] (the query's norm and RoPE done by the attention pass).
-//! 6. `geglu` (one-token graphs): `gelu(norm_matmul(x, wg)) * norm_matmul(x, wu)` with both
+//! 7. `geglu` (one-token graphs): `gelu(norm_matmul(x, wg)) * norm_matmul(x, wu)` with both
 //!    weights stored alike → [`Op::NormGeGlu`].
-//! 7. `kv_append` (one-token graphs): a `NormRopeAttention` whose caches are written, from
+//! 8. `kv_append` (one-token graphs): a `NormRopeAttention` whose caches are written, from
 //!    the same fused projection, by a k write with the query's norm and RoPE and a plain v
 //!    write, each cache read by that attention alone → the attention appending the step's
 //!    key and value itself ([`KvAppend`]).
 //!
-//! Rules 3–7 are for one-token graphs: the fused kernels they target are GEMV-shaped.
+//! Rules 4–8 are for one-token graphs: the fused kernels they target are GEMV-shaped.
 //! Unused nodes are removed at the end; the order of the remaining ops is kept (a fused node
 //! takes the place of the pattern's first or last op, whichever its inputs allow).
 
 use crate::ir::{BuildError, Graph, InputKind, Node, NodeKind};
-use crate::ops::{BinaryOp, HeadRange, KvAppend, NormScale, Op};
+use crate::ops::{BinaryOp, HeadRange, KvAppend, NormScale, Op, UnaryOp};
 
 /// The rules, in the order they run.
-pub const RULES: [&str; 7] = ["norm_rope", "norm_add", "norm_matmul", "kv_write", "attention_rope", "geglu", "kv_append"];
+pub const RULES: [&str; 8] = ["norm_rope", "gelu_mul", "norm_add", "norm_matmul", "kv_write", "attention_rope", "geglu", "kv_append"];
 
 /// Switches of the fusion rules (all on by default).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct FuseOptions {
     pub norm_rope: bool,
+    pub gelu_mul: bool,
     pub norm_add: bool,
     pub norm_matmul: bool,
     pub kv_write: bool,
@@ -53,13 +55,23 @@ impl Default for FuseOptions {
 
 impl FuseOptions {
     pub fn all() -> Self {
-        FuseOptions { norm_rope: true, norm_add: true, norm_matmul: true, kv_write: true, attention_rope: true, geglu: true, kv_append: true }
+        FuseOptions {
+            norm_rope: true,
+            gelu_mul: true,
+            norm_add: true,
+            norm_matmul: true,
+            kv_write: true,
+            attention_rope: true,
+            geglu: true,
+            kv_append: true,
+        }
     }
 
     /// Every rule off: the graph as the builder emits it.
     pub fn none() -> Self {
         FuseOptions {
             norm_rope: false,
+            gelu_mul: false,
             norm_add: false,
             norm_matmul: false,
             kv_write: false,
@@ -72,6 +84,7 @@ impl FuseOptions {
     fn flag(&mut self, rule: &str) -> Option<&mut bool> {
         Some(match rule {
             "norm_rope" => &mut self.norm_rope,
+            "gelu_mul" => &mut self.gelu_mul,
             "norm_add" => &mut self.norm_add,
             "norm_matmul" => &mut self.norm_matmul,
             "kv_write" => &mut self.kv_write,
@@ -220,7 +233,21 @@ fn norm_rope(w: &mut Work, r: usize) -> bool {
     true
 }
 
-/// Rule 2: `res + rms_norm(x)`, and that sum times a scalar weight.
+/// Rule 2: `gelu(a) * b`.
+fn gelu_mul(w: &mut Work, m: usize) -> bool {
+    let Some(Op::Binary { f: BinaryOp::Mul }) = w.op(m) else { return false };
+    let (g, b) = (w.n[m].inputs[0], w.n[m].inputs[1]);
+    let Some(Op::Unary { f: UnaryOp::Gelu }) = w.op(g) else { return false };
+    let a = w.n[g].inputs[0];
+    if !w.only_user(g, m) || w.n[a].node.ty != w.n[b].node.ty {
+        return false;
+    }
+    w.set(m, Op::GeGlu, vec![a, b], "gelu_mul");
+    w.kill(g);
+    true
+}
+
+/// Rule 3: `res + rms_norm(x)`, and that sum times a scalar weight.
 fn norm_add(w: &mut Work, a: usize) -> bool {
     match w.op(a) {
         Some(Op::Binary { f: BinaryOp::Add }) => {
@@ -269,7 +296,7 @@ fn takes_heads(w: &Work, u: usize, from: usize) -> bool {
     }
 }
 
-/// Rule 3: a norm read only by matmuls.
+/// Rule 4: a norm read only by matmuls.
 fn norm_matmul(w: &mut Work, n: usize) -> bool {
     let Some(&Op::RmsNorm { eps, scale }) = w.op(n) else { return false };
     let users = w.users[n].clone();
@@ -349,7 +376,7 @@ fn set_heads(w: &mut Work, u: usize, range: Option<HeadRange>) {
     }
 }
 
-/// Rule 4: a cache write of a normed (and rotated) value.
+/// Rule 5: a cache write of a normed (and rotated) value.
 fn kv_write(w: &mut Work, k: usize) -> bool {
     let Some(&Op::KvWrite { heads: None }) = w.op(k) else { return false };
     let (v, pos, cache) = (w.n[k].inputs[0], w.n[k].inputs[1], w.n[k].inputs[2]);
@@ -372,7 +399,7 @@ fn kv_write(w: &mut Work, k: usize) -> bool {
     true
 }
 
-/// Rule 5: attention over a normed, rotated query.
+/// Rule 6: attention over a normed, rotated query.
 fn attention_rope(w: &mut Work, a: usize) -> bool {
     let Some(&Op::Attention { scale, window }) = w.op(a) else { return false };
     let q = w.n[a].inputs[0];
@@ -388,7 +415,7 @@ fn attention_rope(w: &mut Work, a: usize) -> bool {
     true
 }
 
-/// Rule 6: a GeGLU of two one-weight norm-matmuls of one norm, weights stored alike.
+/// Rule 7: a GeGLU of two one-weight norm-matmuls of one norm, weights stored alike.
 fn geglu(w: &mut Work, g: usize) -> bool {
     let Some(Op::GeGlu) = w.op(g) else { return false };
     let (a, b) = (w.n[g].inputs[0], w.n[g].inputs[1]);
@@ -410,7 +437,7 @@ fn geglu(w: &mut Work, g: usize) -> bool {
     true
 }
 
-/// Rule 7: the attention appends the step's key and value to its caches.
+/// Rule 8: the attention appends the step's key and value to its caches.
 fn kv_append(w: &mut Work, a: usize) -> bool {
     let Some(&Op::NormRopeAttention { scale, window, eps, norm, theta, factor, rotary_pairs, heads: Some(qh), append: None }) = w.op(a) else {
         return false;
@@ -442,8 +469,9 @@ fn kv_append(w: &mut Work, a: usize) -> bool {
 pub fn fuse(g: Graph, o: &FuseOptions) -> Result<Graph, BuildError> {
     let mut w = Work::new(&g);
     let one = g.tokens == 1;
-    let rules: [(bool, fn(&mut Work, usize) -> bool); 7] = [
+    let rules: [(bool, fn(&mut Work, usize) -> bool); 8] = [
         (o.norm_rope, norm_rope),
+        (o.gelu_mul, gelu_mul),
         (o.norm_add, norm_add),
         (o.norm_matmul && one, norm_matmul),
         (o.kv_write && one, kv_write),

@@ -103,7 +103,7 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
             None => ple_slot(&mut b, pli, i, "ple_slot", l)?,
         };
         // gelu(gate) * slot
-        let gated = b.op("ple_gelu_mul", l, Op::GeGlu, &[gate, slot])?;
+        let gated = b.gelu_mul("ple_gelu_mul", l, gate, slot)?;
         let pr = b.linear("ple_projection", l, gated, &p("per_layer_projection"), h)?;
         x = b.norm_add_scaled("ple_residual", l, pr, x, &p("post_per_layer_input_norm.weight"), conv, ls)?;
     }
@@ -149,7 +149,7 @@ fn moe(b: &mut B, i: usize, x: NodeIndex, u: NodeIndex, k_const: &dyn Fn(f32) ->
     };
     let eg = expert_mm(b, "expert_gate", x2, wg)?;
     let eu = expert_mm(b, "expert_up", x2, wu)?;
-    let egu = b.op("expert_geglu", l, Op::GeGlu, &[eg, eu])?;
+    let egu = b.gelu_mul("expert_geglu", l, eg, eu)?;
     let ed = expert_mm(b, "expert_down", egu, wd)?;
     let h2 = b.op("expert_sum", l, Op::WeightedSum, &[ed, wgt])?;
     // h1 + norm(h2)

@@ -79,6 +79,12 @@ impl<'a> B<'a> {
         self.op(name, layer, Op::Binary { f: BinaryOp::Add }, &[a, b])
     }
 
+    /// `gelu(a) * b` (a GeGLU's activation and product).
+    pub fn gelu_mul(&mut self, name: &str, layer: Option<usize>, a: NodeIndex, b: NodeIndex) -> Result<NodeIndex, BuildError> {
+        let g = self.op(&format!("{name}_gelu"), layer, Op::Unary { f: UnaryOp::Gelu }, &[a])?;
+        self.op(name, layer, Op::Binary { f: BinaryOp::Mul }, &[g, b])
+    }
+
     pub fn scale(&mut self, name: &str, layer: Option<usize>, x: NodeIndex, factor: f32) -> Result<NodeIndex, BuildError> {
         self.op(name, layer, Op::Unary { f: UnaryOp::Scale { factor } }, &[x])
     }
@@ -174,7 +180,7 @@ impl<'a> B<'a> {
         let l = Some(i);
         let gt = self.linear("gate_proj", l, m, &format!("layers.{i}.mlp.gate_proj"), inter)?;
         let up = self.linear("up_proj", l, m, &format!("layers.{i}.mlp.up_proj"), inter)?;
-        let gu = self.op("geglu", l, Op::GeGlu, &[gt, up])?;
+        let gu = self.gelu_mul("geglu", l, gt, up)?;
         self.linear("down_proj", l, gu, &format!("layers.{i}.mlp.down_proj"), self.cfg.hidden_size)
     }
 
