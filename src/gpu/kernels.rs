@@ -89,7 +89,9 @@ macro_rules! params_struct {
 pub(crate) use params_struct;
 
 
-/// One specialization of a kernel family (its prelude consts and flags).
+/// One specialization of a kernel family (its prelude consts and flags): the cache key of a
+/// pipeline. Each variant's name, WGSL source and representative set live in its family's
+/// module of [`super::ops`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
     /// `wg` invocations, `rows` rows and `tt` tokens per workgroup; `xvec`: K % 32 == 0;

@@ -1,13 +1,14 @@
 //! Greedy decoding (`argmax.wgsl`) and the sampler's stages (`sample.wgsl`, see [`super::sample`]).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
 use markbase_graph::ops::Op;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{params_struct, COMMON, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const ARGMAX: &str = include_str!("../../../wgsl/argmax.wgsl");
 const SAMPLE: &str = include_str!("../../../wgsl/sample.wgsl");
@@ -46,7 +47,6 @@ impl Kernels {
         Ok(ArgmaxKernel { kernel: self.get(KernelSpec::Argmax { wg })? })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

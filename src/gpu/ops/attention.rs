@@ -1,18 +1,17 @@
 //! Attention (`attention.wgsl`), optionally split over the keys with the partials merged in
 //! the pass (`split_merge.wgsl`) or by a combine dispatch (`attn_combine.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::device::Gpu;
-use crate::gpu::kernels::{div_ceil, dt_code, env_on};
-use crate::gpu::ops::rope::{RopeParams, MAX_ROPE_PAIRS};
 use markbase_graph::ops::{NormScale, Op};
 use markbase_graph::quant::FloatType;
+
+use crate::gpu::device::{Gpu, GpuError};
+use crate::gpu::kernels::{div_ceil, dt_code, env_on, params_struct, COMMON, Kernel, KernelSpec, Kernels};
+use crate::gpu::ops::rope::{check_pairs, RopeParams};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const ATTENTION: &str = include_str!("../../../wgsl/attention.wgsl");
 const ATTN_COMBINE: &str = include_str!("../../../wgsl/attn_combine.wgsl");
@@ -66,13 +65,13 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
 
 fn variants() -> Vec<KernelSpec> {
     let mut v = Vec::new();
-        for dpt in [1, 2, 4] {
-            for split in [false, true] {
-                v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false, append: false });
-                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: false });
-                v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: true });
-            }
+    for dpt in [1, 2, 4] {
+        for split in [false, true] {
+            v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false, append: false });
+            v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: false });
+            v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: true });
         }
+    }
     v.push(KernelSpec::AttnCombine);
     v
 }
@@ -114,7 +113,6 @@ impl Kernels {
         Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
@@ -264,9 +262,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             // q's norm and RoPE in the attention pass: their params and weight at 6, 7
             let qrope = match op {
                 Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, heads, .. } => {
-                    if *rotary_pairs > MAX_ROPE_PAIRS {
-                        return Err(format!("node %{} {}: {rotary_pairs} rotary pairs exceed the kernel's {}", cx.node.id, cx.node.name, MAX_ROPE_PAIRS));
-                    }
+                    check_pairs(cx, *rotary_pairs)?;
                     let rp = RopeParams::new(t, nq, d, *theta, *factor, *rotary_pairs)
                         .with_norm(Some((*norm, *eps)))
                         .with_heads(cx.shape_of(0)[1], heads.map_or(0, |r| r.start));
@@ -280,7 +276,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 Op::NormRopeAttention { append: Some(a), norm, .. } => {
                     let wk = if *norm == NormScale::None { None } else { Some(cx.vecw(5).ok_or_else(|| format!("node {}: key norm weight missing", cx.node.name))?) };
                     if wk.map(|w| w.1) != qdt.flatten() {
-                        return Err(format!("node %{} {}: the key's norm weight is not stored as the query's", cx.node.id, cx.node.name));
+                        return Err(cx.fail("the key's norm weight is not stored as the query's"));
                     }
                     Some((a, wk))
                 }

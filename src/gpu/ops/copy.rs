@@ -1,14 +1,14 @@
 //! Slice and concat copies (`copy.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{div_ceil, grid, ELEM_WG};
 use markbase_graph::ops::Op;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{div_ceil, grid, params_struct, COMMON, ELEM_WG, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const COPY: &str = include_str!("../../../wgsl/copy.wgsl");
 
@@ -37,7 +37,6 @@ impl Kernels {
         Ok(CopyKernel { kernel: self.get(KernelSpec::Copy)?, maxg: self.maxg() })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

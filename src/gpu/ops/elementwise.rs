@@ -1,15 +1,15 @@
 //! GeGLU, binary and unary elementwise ops (`elementwise.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{div_ceil, dt_code, grid, ELEM_WG};
 use markbase_graph::ops::{BinaryOp, Op, UnaryOp};
 use markbase_graph::quant::FloatType;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{div_ceil, dt_code, grid, params_struct, COMMON, ELEM_WG, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const ELEMENTWISE: &str = include_str!("../../../wgsl/elementwise.wgsl");
 
@@ -37,9 +37,9 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
 
 fn variants() -> Vec<KernelSpec> {
     let mut v = vec![KernelSpec::GeGlu, KernelSpec::Unary];
-        for b in [FloatType::Bf16, FloatType::F16, FloatType::F32] {
-            v.push(KernelSpec::Binary { b });
-        }
+    for b in [FloatType::Bf16, FloatType::F16, FloatType::F32] {
+        v.push(KernelSpec::Binary { b });
+    }
     v
 }
 
@@ -57,7 +57,6 @@ impl Kernels {
         Ok(ElementwiseKernel { kernel: self.get(KernelSpec::Unary)?, maxg: self.maxg() })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

@@ -1,15 +1,15 @@
 //! The embedding gather (`embed.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{all_formats, div_ceil, weight_source, WEIGHTS};
-use crate::gpu::weights::{GpuFormat, GpuWeight};
 use markbase_graph::ops::Op;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{all_formats, div_ceil, params_struct, weight_source, COMMON, Kernel, KernelSpec, Kernels, WEIGHTS};
+use crate::gpu::shader::Source;
+use crate::gpu::weights::{GpuFormat, GpuWeight};
+use super::{Family, LowerCtx};
 
 const EMBED: &str = include_str!("../../../wgsl/embed.wgsl");
 
@@ -38,7 +38,6 @@ impl Kernels {
         Ok(EmbedKernel { kernel: self.get(KernelSpec::Embed { fmt })?, maxg: self.maxg() })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

@@ -1,14 +1,14 @@
 //! Rows written to KV cache slots (`kv_write.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{div_ceil, grid, ELEM_WG};
 use markbase_graph::ops::Op;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{div_ceil, grid, params_struct, COMMON, ELEM_WG, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const KV_WRITE: &str = include_str!("../../../wgsl/kv_write.wgsl");
 
@@ -37,7 +37,6 @@ impl Kernels {
         Ok(KvWriteKernel { kernel: self.get(KernelSpec::KvWrite)?, maxg: self.maxg() })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

@@ -1,22 +1,21 @@
 //! Matmuls over quantized or float weights: the GEMV (`gemv.wgsl`: one to seven tokens, gathered
 //! experts, fused norm, dual and concatenated weights) and the tiled GEMM (`gemm.wgsl`: plain, split
 //! and expert-grouped).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{all_formats, div_ceil, dt_code, env_on, env_u32, norm_mode, weight_source, WEIGHTS};
-use crate::gpu::weights::{GpuFormat, GpuWeight};
 use markbase_graph::ops::{NormScale, Op};
 use markbase_graph::quant::FloatType;
 
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{all_formats, div_ceil, dt_code, env_on, env_u32, norm_mode, params_struct, weight_source, COMMON, Kernel, KernelSpec, Kernels, WEIGHTS};
+use crate::gpu::shader::Source;
+use crate::gpu::weights::{GpuFormat, GpuWeight};
+use super::{Family, LowerCtx};
+
 const GEMV: &str = include_str!("../../../wgsl/gemv.wgsl");
 const GEMM: &str = include_str!("../../../wgsl/gemm.wgsl");
-
 
 /// From this many tokens on, a plain matmul uses the tiled GEMM instead of the GEMV.
 pub const GEMM_MIN_T: usize = 8;
@@ -108,7 +107,6 @@ fn gemv_reduction(s: Source, rs: u32, wg: u32) -> Source {
         .c("RED_N", rs * wg)
         .flag("XRED", rs.is_power_of_two() && rs <= 16)
 }
-
 
 /// weights.wgsl for a second weight (dual and concatenating GEMVs): its bindings 8..11 moved to
 /// 12..15 and every binding and function name suffixed `_u`; the shared structs are left out.
@@ -276,33 +274,32 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
 }
 
 fn variants() -> Vec<KernelSpec> {
-        let fmts = all_formats();
-        let mut v = Vec::new();
-        for &fmt in &fmts {
-            for (tt, gather) in [(1, false), (3, false), (1, true)] {
-                for xvec in [true, false] {
-                    for bp2 in [false, true] {
-                        if bp2 && tt != 1 {
-                            continue;
-                        }
-                        // half blocks and, where they apply, whole blocks
-                        let halves: &[bool] = if gemv_half(fmt, tt, xvec, bp2, false) { &[true, false] } else { &[true] };
-                        for &half in halves {
-                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false, half });
-                            if tt == 1 && !gather {
-                                let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
-                                v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half });
-                                if !bp2 {
-                                    if half {
-                                        // the dual GEMV walks whole blocks
-                                        for rows in [4, 8] {
-                                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows, tt, gather, xvec, bp2, norm, dual: true, half: false });
-                                        }
+    let fmts = all_formats();
+    let mut v = Vec::new();
+    for &fmt in &fmts {
+        for (tt, gather) in [(1, false), (3, false), (1, true)] {
+            for xvec in [true, false] {
+                for bp2 in [false, true] {
+                    if bp2 && tt != 1 {
+                        continue;
+                    }
+                    // half blocks and, where they apply, whole blocks
+                    let halves: &[bool] = if gemv_half(fmt, tt, xvec, bp2, false) { &[true, false] } else { &[true] };
+                    for &half in halves {
+                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false, half });
+                        if tt == 1 && !gather {
+                            let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half });
+                            if !bp2 {
+                                if half {
+                                    // the dual GEMV walks whole blocks
+                                    for rows in [4, 8] {
+                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows, tt, gather, xvec, bp2, norm, dual: true, half: false });
                                     }
-                                    if !fmt.has_global() {
-                                        for n in [2, 3] {
-                                            v.push(KernelSpec::GemvCat { fmt, wg: 128, rows: 4, xvec, norm: norm.flatten(), n, half });
-                                        }
+                                }
+                                if !fmt.has_global() {
+                                    for n in [2, 3] {
+                                        v.push(KernelSpec::GemvCat { fmt, wg: 128, rows: 4, xvec, norm: norm.flatten(), n, half });
                                     }
                                 }
                             }
@@ -310,14 +307,15 @@ fn variants() -> Vec<KernelSpec> {
                     }
                 }
             }
-            for (wide, split) in [(false, false), (true, false), (false, true)] {
-                for xvec in [false, true] {
-                    v.push(KernelSpec::Gemm { fmt, wide, split, xvec });
-                }
-            }
-            v.push(KernelSpec::GroupedGemm { fmt });
         }
-        v
+        for (wide, split) in [(false, false), (true, false), (false, true)] {
+            for xvec in [false, true] {
+                v.push(KernelSpec::Gemm { fmt, wide, split, xvec });
+            }
+        }
+        v.push(KernelSpec::GroupedGemm { fmt });
+    }
+    v
 }
 
 impl Kernels {
@@ -451,7 +449,6 @@ impl Kernels {
         self.matmul_spec(KernelSpec::GroupedGemm { fmt })
     }
 }
-
 
 params_struct! {
     /// Params of `gemv.wgsl` / `gemm.wgsl` (binding 0).
@@ -798,11 +795,11 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let (gi, ui) = (cx.ins.len() - 2, cx.ins.len() - 1);
             let (w, wu) = (cx.mat(gi)?, cx.mat(ui)?);
             if w.format != wu.format || w.k != wu.k || w.rows != wu.rows || w.chunks.len() != wu.chunks.len() {
-                return Err(format!("node %{} {}: gate and up differ in format or shape", cx.node.id, cx.node.name));
+                return Err(cx.fail("gate and up differ in format or shape"));
             }
             let rows = cx.graph.node(cx.ins[0]).ty.rows();
             if rows != 1 {
-                return Err(format!("node %{} {}: a fused GeGLU runs on one token, not {rows}", cx.node.id, cx.node.name));
+                return Err(cx.fail(format!("a fused GeGLU runs on one token, not {rows}")));
             }
             let nw = cx.norm_w()?;
             let k = kernels.norm_geglu(w.format, w.k, w.rows, nw.map(|v| v.1)).map_err(cx.kerr())?;
@@ -819,7 +816,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let rows = cx.graph.node(cx.ins[0]).ty.rows();
             let nw = cx.norm_w()?;
             if rows != 1 {
-                return Err(format!("node %{} {}: a fused norm runs on one token, not {rows}", cx.node.id, cx.node.name));
+                return Err(cx.fail(format!("a fused norm runs on one token, not {rows}")));
             }
             let ldy = cx.node.ty.last();
             let cat = if ws.len() > 1 { kernels.norm_matmul_cat(&ws, nw.map(|v| v.1)).map_err(cx.kerr())? } else { None };

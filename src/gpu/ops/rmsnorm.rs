@@ -1,15 +1,15 @@
 //! RMSNorm, with a residual added and a scalar weight (`rmsnorm.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{dt_code, env_u32, grid, norm_mode};
 use markbase_graph::ops::{NormScale, Op};
 use markbase_graph::quant::FloatType;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{dt_code, env_u32, grid, norm_mode, params_struct, COMMON, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const RMSNORM: &str = include_str!("../../../wgsl/rmsnorm.wgsl");
 const NORM_WG: u32 = 256;
@@ -25,7 +25,6 @@ fn norm_steps(d: usize) -> u32 {
         steps as u32
     }
 }
-
 
 pub(crate) const FAMILY: Family = Family { name, source, variants };
 
@@ -60,12 +59,12 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
 
 fn variants() -> Vec<KernelSpec> {
     let mut v = Vec::new();
-        for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
-            for steps in [0, 1, 2] {
-                v.push(KernelSpec::RmsNorm { w, res: false, scalar: None, steps });
-                v.push(KernelSpec::RmsNorm { w, res: true, scalar: None, steps });
-                v.push(KernelSpec::RmsNorm { w, res: true, scalar: Some(w.unwrap_or(FloatType::F32)), steps });
-            }
+    for w in [None, Some(FloatType::Bf16), Some(FloatType::F16), Some(FloatType::F32)] {
+        for steps in [0, 1, 2] {
+            v.push(KernelSpec::RmsNorm { w, res: false, scalar: None, steps });
+            v.push(KernelSpec::RmsNorm { w, res: true, scalar: None, steps });
+            v.push(KernelSpec::RmsNorm { w, res: true, scalar: Some(w.unwrap_or(FloatType::F32)), steps });
+        }
     }
     v
 }
@@ -83,7 +82,6 @@ impl Kernels {
         Ok(RmsNormKernel { kernel: self.get(KernelSpec::RmsNorm { w, res: true, scalar: Some(scalar), steps: norm_steps(d) })?, maxg: self.maxg() })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

@@ -1,15 +1,15 @@
 //! RoPE, with a per-head RMSNorm in front and rows written to a KV cache (`rope.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{div_ceil, dt_code, grid, norm_mode};
 use markbase_graph::ops::{NormScale, Op};
 use markbase_graph::quant::FloatType;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{div_ceil, dt_code, grid, norm_mode, params_struct, COMMON, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const ROPE: &str = include_str!("../../../wgsl/rope.wgsl");
 
@@ -59,7 +59,6 @@ impl Kernels {
         Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm: Some(norm), cache: true })?, norm: true, maxg: self.maxg() })
     }
 }
-
 
 params_struct! {
     /// Params of `rope.wgsl`: shape plus, per rotary pair, `frac(inv_freq / 2pi)` as a
@@ -165,6 +164,14 @@ impl RopeKernel {
     }
 }
 
+/// An error unless the rope params table holds `pairs` rotary pairs.
+pub(crate) fn check_pairs(cx: &LowerCtx, pairs: usize) -> Result<(), String> {
+    if pairs > MAX_ROPE_PAIRS {
+        return Err(cx.fail(format!("{pairs} rotary pairs exceed the kernel's {MAX_ROPE_PAIRS} (head dim too large)")));
+    }
+    Ok(())
+}
+
 /// Lowers the rope ops.
 pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
     let (dev, kernels, op) = (cx.dev(), cx.kernels, cx.op);
@@ -175,15 +182,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 _ => (cx.node.ty.shape[1], 0),
             };
             let s = &cx.node.ty.shape;
-            if *rotary_pairs > MAX_ROPE_PAIRS {
-                return Err(format!(
-                    "node %{} {}: {} rotary pairs exceed the kernel's {} (head dim too large)",
-                    cx.node.id,
-                    cx.node.name,
-                    rotary_pairs,
-                    MAX_ROPE_PAIRS
-                ));
-            }
+            check_pairs(cx, *rotary_pairs)?;
             let norm = match op {
                 Op::NormRope { eps, scale, .. } => Some((*scale, *eps)),
                 _ => None,
@@ -198,9 +197,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         }
         Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
             let s = &cx.node.ty.shape;
-            if *rotary_pairs > MAX_ROPE_PAIRS {
-                return Err(format!("node %{} {}: {rotary_pairs} rotary pairs exceed the kernel's {}", cx.node.id, cx.node.name, MAX_ROPE_PAIRS));
-            }
+            check_pairs(cx, *rotary_pairs)?;
             let xs = cx.shape_of(0);
             let t = xs[0];
             let k = kernels.rope_to_cache(cx.norm_w()?.map(|v| v.1)).map_err(cx.kerr())?;

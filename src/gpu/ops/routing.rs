@@ -1,16 +1,16 @@
 //! MoE routing: top-k, top-k with softmax, the weighted sum of expert outputs
 //! (`routing.wgsl`) and the grouping of pairs by expert (`moe_group.wgsl`).
+
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-
-use super::{Family, LowerCtx};
-use crate::gpu::kernels::{params_struct, Kernel, KernelSpec, Kernels, COMMON};
-use crate::gpu::device::GpuError;
-use crate::gpu::shader::Source;
-use crate::gpu::kernels::{div_ceil, dt_code, grid, ELEM_WG};
 use markbase_graph::ops::Op;
 use markbase_graph::quant::FloatType;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{div_ceil, dt_code, grid, params_struct, COMMON, ELEM_WG, Kernel, KernelSpec, Kernels};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
 
 const ROUTING: &str = include_str!("../../../wgsl/routing.wgsl");
 const MOE_GROUP: &str = include_str!("../../../wgsl/moe_group.wgsl");
@@ -66,7 +66,6 @@ impl Kernels {
         Ok(MoeGroupKernel { kernel: self.get(KernelSpec::MoeGroup)? })
     }
 }
-
 
 params_struct! {
     #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
