@@ -14,8 +14,8 @@ struct Params {
     nsplit: u32,
     _p0: u32,
     scale: f32,
-    _p1: u32,
-    _p2: u32,
+    _k_head0: u32, // (attention.wgsl's APPEND)
+    _v_head0: u32,
     _p3: u32,
 }
 

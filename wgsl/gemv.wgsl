@@ -56,6 +56,8 @@ struct Params {
     norm_eps: f32,   // PRENORM
     rows2: u32,      // CAT: rows of the second weight
     rows3: u32,      // CAT3: rows of the third weight
+    _ksplit: u32,    // (gemm.wgsl's split GEMM)
+    _p0: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

@@ -13,27 +13,17 @@ use std::sync::Arc;
 use petgraph::graph::NodeIndex;
 
 use markbase_graph::ir::{InputKind, NodeKind, StateKind};
-use markbase_graph::ops::{DType, NormScale, Op};
+use markbase_graph::ops::DType;
 use markbase_graph::passes::{Compiled, Storage};
 use markbase_graph::quant::FloatType;
 
 use crate::cpu::exec::StepInputs;
 use crate::gpu::device::{Backend, Gpu, GpuOptions};
-use crate::gpu::kernels::{
-    attention_splits, ArgmaxParams, CopyParams, ElementwiseParams, Kernel, Kernels, MatMulDims,
-};
+use crate::gpu::kernels::Kernels;
+use crate::gpu::ops::{self, Dispatch, LowerCtx, LowerEnv, Lowered};
 use crate::gpu::weights::{upload_vector, upload_weight, GpuWeight};
 use crate::exec::{Executor, GraphKey, StepOutput};
 use crate::weights::Weights;
-
-/// One recorded dispatch.
-struct Dispatch {
-    kernel: Arc<Kernel>,
-    bind: wgpu::BindGroup,
-    groups: [u32; 3],
-    /// The node it computes.
-    node: NodeIndex,
-}
 
 /// A graph made ready to run.
 struct Prepared {
@@ -174,7 +164,6 @@ impl GpuExecutor {
 
     fn prepare(&mut self, c: &Compiled) -> Result<Prepared, String> {
         let g = &c.graph;
-        let dev = self.gpu.device.clone();
         let pool: Vec<wgpu::Buffer> =
             c.alloc.pool_sizes.iter().enumerate().map(|(i, &s)| self.gpu.storage(&format!("pool{i}"), s as u64)).collect();
         let mut inputs = HashMap::new();
@@ -204,389 +193,14 @@ impl GpuExecutor {
                 Storage::Weight(_) => Err(format!("node {} is a weight, not a value", g.node(n).name)),
             }
         };
-        let mut params: Vec<wgpu::Buffer> = vec![];
-        let mut scratch: Vec<wgpu::Buffer> = vec![];
-        // the split GEMMs' partial sums and counters: one pair shared by all of them (their
-        // dispatches run one after the other and leave the counters zeroed), replaced by a
-        // larger one when a GEMM needs more
-        let mut split_scratch: Option<(wgpu::Buffer, wgpu::Buffer)> = None;
+        let env = LowerEnv { gpu: &self.gpu, kernels: &self.kernels, graph: g, mats: &self.mats, vecs: &self.vecs, values: &buf };
+        let mut acc = Lowered::default();
         let mut phases: Vec<Vec<Dispatch>> = vec![];
         for ph in &c.schedule.phases {
-            let mut ds: Vec<Dispatch> = vec![];
             for &n in ph {
-                let node = g.node(n);
-                let op = node.op().unwrap();
-                let ins = g.inputs(n);
-                let out = || buf(n);
-                let kerr = |e: crate::gpu::device::GpuError| format!("node %{} {}: {e}", node.id, node.name);
-                let wname = |i: usize| g.node(ins[i]).weight().map(|p| p.name.clone());
-                let mat = |i: usize| -> Result<&GpuWeight, String> {
-                    let name = wname(i).ok_or_else(|| format!("node {}: input {i} is not a weight", node.name))?;
-                    self.mats.get(&name).ok_or_else(|| format!("weight {name} not uploaded"))
-                };
-                let vecw = |i: usize| -> Option<&(wgpu::Buffer, FloatType)> { wname(i).and_then(|nm| self.vecs.get(&nm)) };
-                // the norm weight of a norm or fused-norm op (at the slot the op defines)
-                let norm_w = || -> Result<Option<&(wgpu::Buffer, FloatType)>, String> {
-                    op.norm_weight_input()
-                        .map(|i| vecw(i).ok_or_else(|| format!("node {}: norm weight missing", node.name)))
-                        .transpose()
-                };
-                let mut uni = |bytes: &[u8]| -> wgpu::Buffer {
-                    let b = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                        label: Some(&node.name),
-                        size: (bytes.len() as u64 + 15) / 16 * 16,
-                        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                        mapped_at_creation: false,
-                    });
-                    self.gpu.queue.write_buffer(&b, 0, bytes);
-                    params.push(b.clone());
-                    b
-                };
-                let mut push = |kernel: Arc<Kernel>, bind: wgpu::BindGroup, groups: [u32; 3]| {
-                    ds.push(Dispatch { kernel, bind, groups, node: n });
-                };
-                let shape_of = |i: usize| g.node(ins[i]).ty.shape.clone();
-                match op {
-                    Op::Reshape { .. } => {}
-                    Op::Embed { scale, clamp } => {
-                        let w = mat(1)?;
-                        let k = self.kernels.embed(w.format).map_err(kerr)?;
-                        let t = node.ty.shape[0];
-                        for ci in 0..w.chunks.len() {
-                            let p = uni(bytemuck::bytes_of(&k.params(w, ci, t, *scale, *clamp)));
-                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, w, ci);
-                            push(k.kernel.clone(), bg, k.groups(t, w.k));
-                        }
-                    }
-                    Op::MatMul => {
-                        let w = mat(1)?;
-                        let rows = g.node(ins[0]).ty.rows();
-                        let k = self.kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(kerr)?;
-                        for ci in 0..w.chunks.len() {
-                            let d = MatMulDims::plain(w, ci, rows);
-                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = if k.is_split() {
-                                let (pb, cb) = k.split_scratch_bytes(&d);
-                                if split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
-                                    let pair = (self.gpu.storage("gemm.partials", pb), self.gpu.storage("gemm.counters", cb));
-                                    scratch.extend([pair.0.clone(), pair.1.clone()]);
-                                    split_scratch = Some(pair);
-                                }
-                                let (part, done) = split_scratch.as_ref().expect("allocated above");
-                                k.bind_group_split(&dev, &p, &buf(ins[0])?, &out()?, part, done, w, ci)
-                            } else {
-                                k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, None, w, ci)
-                            };
-                            push(k.kernel.clone(), bg, k.groups(&d));
-                        }
-                    }
-                    Op::GatherMatMul => {
-                        let w = mat(2)?;
-                        let ids_shape = shape_of(1);
-                        let (t, s) = (ids_shape[0], ids_shape[1]);
-                        let bcast = g.node(ins[0]).ty.shape.len() == 2;
-                        let k = self.kernels.matmul(w.format, w.k, t * s, true).map_err(kerr)?;
-                        for ci in 0..w.chunks.len() {
-                            let d = MatMulDims::gathered(w, ci, t, s, bcast);
-                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&buf(ins[1])?), w, ci);
-                            push(k.kernel.clone(), bg, k.groups(&d));
-                        }
-                    }
-                    Op::MoeGroup { experts } => {
-                        let pairs = g.node(ins[0]).ty.numel();
-                        let k = self.kernels.moe_group().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(pairs, *experts)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?);
-                        push(k.kernel.clone(), bg, [1, 1, 1]);
-                    }
-                    Op::GroupedMatMul => {
-                        let w = mat(2)?;
-                        let ids_shape = shape_of(1);
-                        let (t, s) = (ids_shape[0], ids_shape[1]);
-                        let bcast = g.node(ins[0]).ty.shape.len() == 2;
-                        let k = self.kernels.grouped_matmul(w.format, w.k).map_err(kerr)?;
-                        for ci in 0..w.chunks.len() {
-                            let d = MatMulDims::gathered(w, ci, t, s, bcast);
-                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&buf(ins[3])?), w, ci);
-                            push(k.kernel.clone(), bg, k.groups(&d));
-                        }
-                    }
-                    Op::RmsNorm { eps, scale } | Op::RmsNormAdd { eps, scale, .. } => {
-                        let rows = node.ty.rows();
-                        let d = node.ty.last();
-                        let res = matches!(op, Op::RmsNormAdd { .. });
-                        let wv = norm_w()?;
-                        // the layer scalar: a vector weight as stored, the last input
-                        let sv = match op {
-                            Op::RmsNormAdd { scaled: true, .. } => {
-                                Some(vecw(ins.len() - 1).ok_or_else(|| format!("node {}: scalar weight missing", node.name))?)
-                            }
-                            _ => None,
-                        };
-                        let k = match sv {
-                            Some(s) => self.kernels.rms_norm_add_scaled(wv.map(|v| v.1), s.1, d),
-                            None => self.kernels.rms_norm(wv.map(|v| v.1), res, d),
-                        }
-                        .map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
-                        let rb = if res { Some(buf(ins[1])?) } else { None };
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, wv.map(|v| &v.0), rb.as_ref(), sv.map(|v| &v.0));
-                        push(k.kernel.clone(), bg, k.groups(rows));
-                    }
-                    Op::NormGeGlu { eps, scale } => {
-                        let (gi, ui) = (ins.len() - 2, ins.len() - 1);
-                        let (w, wu) = (mat(gi)?, mat(ui)?);
-                        if w.format != wu.format || w.k != wu.k || w.rows != wu.rows || w.chunks.len() != wu.chunks.len() {
-                            return Err(format!("node %{} {}: gate and up differ in format or shape", node.id, node.name));
-                        }
-                        let rows = g.node(ins[0]).ty.rows();
-                        if rows != 1 {
-                            return Err(format!("node %{} {}: a fused GeGLU runs on one token, not {rows}", node.id, node.name));
-                        }
-                        let nw = norm_w()?;
-                        let k = self.kernels.norm_geglu(w.format, w.k, w.rows, nw.map(|v| v.1)).map_err(kerr)?;
-                        for ci in 0..w.chunks.len() {
-                            let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
-                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = k.bind_group_dual(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), w, wu, ci);
-                            push(k.kernel.clone(), bg, k.groups(&d));
-                        }
-                    }
-                    Op::NormMatMul { eps, scale } => {
-                        let first_w = op.norm_weight_input().map_or(1, |i| i + 1);
-                        let ws = (first_w..ins.len()).map(&mat).collect::<Result<Vec<_>, _>>()?;
-                        let rows = g.node(ins[0]).ty.rows();
-                        let nw = norm_w()?;
-                        if rows != 1 {
-                            return Err(format!("node %{} {}: a fused norm runs on one token, not {rows}", node.id, node.name));
-                        }
-                        let ldy = node.ty.last();
-                        let cat = if ws.len() > 1 { self.kernels.norm_matmul_cat(&ws, nw.map(|v| v.1)).map_err(kerr)? } else { None };
-                        if let Some(k) = cat {
-                            // every weight in one dispatch
-                            let d = MatMulDims::cat(&ws).with_norm(*scale, *eps);
-                            let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                            let bg = k.bind_group_cat(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), &ws);
-                            push(k.kernel.clone(), bg, k.groups(&d));
-                        } else {
-                            // weight by weight, chunk by chunk, each into its columns
-                            let mut col = 0;
-                            for w in &ws {
-                                let k = self.kernels.norm_matmul(w.format, w.k, nw.map(|v| v.1)).map_err(kerr)?;
-                                for ci in 0..w.chunks.len() {
-                                    let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
-                                    let d = MatMulDims { row_start: col + d.row_start, ldy, ..d };
-                                    let p = uni(bytemuck::bytes_of(&k.params(&d)));
-                                    let bg = k.bind_group_norm(&dev, &p, &buf(ins[0])?, &out()?, nw.map(|v| &v.0), w, ci);
-                                    push(k.kernel.clone(), bg, k.groups(&d));
-                                }
-                                col += w.rows;
-                            }
-                        }
-                    }
-                    Op::Rope { theta, factor, rotary_pairs } | Op::NormRope { theta, factor, rotary_pairs, .. } => {
-                        let (x_heads, head0) = match op {
-                            Op::NormRope { heads: Some(r), .. } => (shape_of(0)[1], r.start),
-                            _ => (node.ty.shape[1], 0),
-                        };
-                        let s = &node.ty.shape;
-                        if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
-                            return Err(format!(
-                                "node %{} {}: {} rotary pairs exceed the kernel's {} (head dim too large)",
-                                node.id,
-                                node.name,
-                                rotary_pairs,
-                                crate::gpu::kernels::MAX_ROPE_PAIRS
-                            ));
-                        }
-                        let norm = match op {
-                            Op::NormRope { eps, scale, .. } => Some((*scale, *eps)),
-                            _ => None,
-                        };
-                        let wv = norm_w()?;
-                        let k = self.kernels.rope(norm.map(|_| wv.map(|v| v.1))).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(
-                            &k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs).with_norm(norm).with_heads(x_heads, head0),
-                        ));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, wv.map(|v| &v.0));
-                        push(k.kernel.clone(), bg, k.groups(s[0], s[1], s[2]));
-                    }
-                    Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
-                        let s = &node.ty.shape;
-                        if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
-                            return Err(format!("node %{} {}: {rotary_pairs} rotary pairs exceed the kernel's {}", node.id, node.name, crate::gpu::kernels::MAX_ROPE_PAIRS));
-                        }
-                        let xs = shape_of(0);
-                        let t = xs[0];
-                        let k = self.kernels.rope_to_cache(norm_w()?.map(|v| v.1)).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(
-                            &k.params(t, s[1], s[2], *theta, *factor, *rotary_pairs)
-                                .with_norm(Some((*scale, *eps)))
-                                .with_heads(xs[1], heads.map_or(0, |r| r.start))
-                                .with_slots(s[0]),
-                        ));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?, norm_w()?.map(|v| &v.0));
-                        push(k.kernel.clone(), bg, k.groups(t, s[1], s[2]));
-                    }
-                    Op::KvWrite { heads } => {
-                        let xs = shape_of(0);
-                        let slots = node.ty.shape[0];
-                        let row = node.ty.shape[1] * node.ty.shape[2];
-                        let x_off = heads.map_or(0, |r| r.start * xs[2]);
-                        let k = self.kernels.kv_write().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params_strided(xs[0], row, slots, xs[1] * xs[2], x_off)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &out()?);
-                        push(k.kernel.clone(), bg, k.groups(xs[0], row));
-                    }
-                    Op::Attention { scale, window } | Op::NormRopeAttention { scale, window, .. } => {
-                        let s = &node.ty.shape;
-                        let (t, nq, d) = (s[0], s[1], s[2]);
-                        let ks = shape_of(2);
-                        let (slots, nkv) = (ks[0], ks[1]);
-                        // q's norm and RoPE in the attention pass: their params and weight at 6, 7
-                        let qrope = match op {
-                            Op::NormRopeAttention { eps, norm, theta, factor, rotary_pairs, heads, .. } => {
-                                if *rotary_pairs > crate::gpu::kernels::MAX_ROPE_PAIRS {
-                                    return Err(format!("node %{} {}: {rotary_pairs} rotary pairs exceed the kernel's {}", node.id, node.name, crate::gpu::kernels::MAX_ROPE_PAIRS));
-                                }
-                                let rp = crate::gpu::kernels::RopeParams::new(t, nq, d, *theta, *factor, *rotary_pairs)
-                                    .with_norm(Some((*norm, *eps)))
-                                    .with_heads(shape_of(0)[1], heads.map_or(0, |r| r.start));
-                                Some((uni(bytemuck::bytes_of(&rp)), norm_w()?))
-                            }
-                            _ => None,
-                        };
-                        let qdt = qrope.as_ref().map(|q| q.1.map(|v| v.1));
-                        // the step's key and value appended by the pass: the key's norm weight at 10
-                        let append = match op {
-                            Op::NormRopeAttention { append: Some(a), norm, .. } => {
-                                let wk = if *norm == NormScale::None { None } else { Some(vecw(5).ok_or_else(|| format!("node {}: key norm weight missing", node.name))?) };
-                                if wk.map(|w| w.1) != qdt.flatten() {
-                                    return Err(format!("node %{} {}: the key's norm weight is not stored as the query's", node.id, node.name));
-                                }
-                                Some((a, wk))
-                            }
-                            _ => None,
-                        };
-                        let k = self.kernels.attention_with(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(kerr)?;
-                        let params = k.params(t, nq, nkv, d, slots, *scale, *window);
-                        let params = append.map_or(params, |(a, _)| params.with_append(a.k.start, a.v.start));
-                        let p = uni(bytemuck::bytes_of(&params));
-                        let mut extra: Vec<(u32, &wgpu::Buffer)> = vec![];
-                        if let Some((rb, nw)) = &qrope {
-                            extra.push((6, rb));
-                            if let Some((b, _)) = nw {
-                                extra.push((7, b));
-                            }
-                        }
-                        if let Some((_, Some((b, _)))) = append {
-                            extra.push((10, b));
-                        }
-                        let sc = k.scratch(&self.gpu, &node.name, t, nq, d);
-                        if let Some(sc) = &sc {
-                            scratch.push(sc.partials.clone());
-                            scratch.extend(sc.counters.clone());
-                        }
-                        let (a, b) = k.bind_groups(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &buf(ins[3])?, &out()?, sc.as_ref(), &extra);
-                        push(k.kernel.clone(), a, [nq as u32, t as u32, k.nsplit]);
-                        if let (Some(ck), Some(b)) = (&k.combine, b) {
-                            push(ck.clone(), b, [nq as u32, t as u32, 1]);
-                        }
-                    }
-                    Op::Binary { f } => {
-                        let n_el = node.ty.numel();
-                        let nb = g.node(ins[1]).ty.numel();
-                        let (bbuf, bdt) = match vecw(1) {
-                            Some((b, dt)) => (b.clone(), *dt),
-                            None => (buf(ins[1])?, FloatType::F32),
-                        };
-                        let k = self.kernels.binary(bdt).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&ElementwiseParams::binary(*f, n_el, nb)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&bbuf));
-                        push(k.kernel.clone(), bg, k.groups(n_el));
-                    }
-                    Op::Unary { f } => {
-                        let n_el = node.ty.numel();
-                        let k = self.kernels.unary().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&ElementwiseParams::unary(*f, n_el)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, None);
-                        push(k.kernel.clone(), bg, k.groups(n_el));
-                    }
-                    Op::GeGlu => {
-                        let n_el = node.ty.numel();
-                        let k = self.kernels.geglu().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&ElementwiseParams::geglu(n_el)));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?, Some(&buf(ins[1])?));
-                        push(k.kernel.clone(), bg, k.groups(n_el));
-                    }
-                    Op::TopK { k: kk } => {
-                        let ls = shape_of(0);
-                        let k = self.kernels.top_k().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], *kk)));
-                        let bg = k.bind_group(&dev, &[(0, &p), (1, &buf(ins[0])?), (2, &out()?)]);
-                        push(k.kernel.clone(), bg, k.groups(ls[0] * ls[1]));
-                    }
-                    Op::TopKSoftmax => {
-                        let ls = shape_of(0);
-                        let kk = node.ty.shape[1];
-                        let sc = if ins.len() > 2 { Some(vecw(2).ok_or("per-expert scale missing")?) } else { None };
-                        let k = self.kernels.top_k_softmax(sc.map(|s| s.1)).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], kk)));
-                        let (lb, ib, ob) = (buf(ins[0])?, buf(ins[1])?, out()?);
-                        let mut b: Vec<(u32, &wgpu::Buffer)> = vec![(0, &p), (1, &lb), (2, &ib), (3, &ob)];
-                        if let Some(s) = sc {
-                            b.push((4, &s.0));
-                        }
-                        let bg = k.bind_group(&dev, &b);
-                        push(k.kernel.clone(), bg, k.groups(ls[0]));
-                    }
-                    Op::WeightedSum => {
-                        let xs = shape_of(0);
-                        let k = self.kernels.weighted_sum().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&k.params(xs[0], xs[1], xs[2])));
-                        let bg = k.bind_group(&dev, &[(0, &p), (1, &buf(ins[0])?), (2, &buf(ins[1])?), (3, &out()?)]);
-                        push(k.kernel.clone(), bg, k.groups(xs[0] * xs[2]));
-                    }
-                    Op::Slice { axis, start, len } => {
-                        let k = self.kernels.copy().map_err(kerr)?;
-                        let cp = CopyParams::slice(&shape_of(0), *axis, *start, *len);
-                        let p = uni(bytemuck::bytes_of(&cp));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?);
-                        push(k.kernel.clone(), bg, k.groups(&cp));
-                    }
-                    Op::Concat { axis } => {
-                        let k = self.kernels.copy().map_err(kerr)?;
-                        let mut off = 0;
-                        for &i in &ins {
-                            let len = g.node(i).ty.shape[*axis];
-                            let cp = CopyParams::concat_part(&node.ty.shape, *axis, off, len);
-                            let p = uni(bytemuck::bytes_of(&cp));
-                            let bg = k.bind_group(&dev, &p, &buf(i)?, &out()?);
-                            push(k.kernel.clone(), bg, k.groups(&cp));
-                            off += len;
-                        }
-                    }
-                    Op::Argmax => {
-                        let ls = shape_of(0);
-                        let k = self.kernels.argmax().map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
-                        let bg = k.bind_group(&dev, &p, &buf(ins[0])?, &out()?);
-                        push(k.kernel.clone(), bg, [1, 1, 1]);
-                    }
-                    Op::Sample => {
-                        let ls = shape_of(0);
-                        let s = crate::gpu::sample::Sampler::new(&self.gpu, &self.kernels, ls[1]).map_err(kerr)?;
-                        let p = uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
-                        scratch.extend(s.scratch());
-                        for (k, bg, groups) in s.dispatches(&dev, &p, &buf(ins[0])?, &buf(ins[1])?, &buf(ins[2])?, &out()?) {
-                            push(k, bg, groups);
-                        }
-                    }
-                }
+                ops::lower(&mut LowerCtx::new(env, &mut acc, n)?)?;
             }
-            phases.push(ds);
+            phases.push(acc.take_dispatches());
         }
         let token = g.output("token").ok_or("graph has no token output")?;
         let logits = g.output("logits").ok_or("graph has no logits output")?;
@@ -608,8 +222,8 @@ impl GpuExecutor {
             pool,
             inputs,
             phases,
-            _scratch: scratch,
-            _params: params,
+            _scratch: acc.scratch,
+            _params: acc.params,
             token,
             logits,
             token_ring,

@@ -8,7 +8,7 @@
 //! (kept mass per chunk), `pick` (inverse CDF). Stages with nothing to do for the given
 //! parameters return at once, so the same dispatches serve every step.
 //!
-//! Bindings of every stage: 0 params ([`super::kernels::ArgmaxParams`]: V and the offset of
+//! Bindings of every stage: 0 params ([`super::argmax::ArgmaxParams`]: V and the offset of
 //! the row to sample, e.g. `ArgmaxParams::last_row`), 1 logits (f32), 2 sampling words u32[8]
 //! (`SampleParams::words`), 3 recent ids u32[R] (the first `n_recent` are penalized; at most
 //! 128 are used), 4 out u32[1], 5 per-chunk results and 6 search state and penalty table
@@ -16,8 +16,8 @@
 
 use std::sync::Arc;
 
-use super::device::{Gpu, GpuError};
-use super::kernels::{Kernel, KernelSpec, Kernels};
+use crate::gpu::device::{Gpu, GpuError};
+use crate::gpu::kernels::{Kernel, KernelSpec, Kernels};
 
 /// Logits per workgroup of the passes over the logits.
 pub const CHUNK: u32 = 2048;

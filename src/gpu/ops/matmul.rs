@@ -1,0 +1,848 @@
+//! Matmuls over quantized or float weights: the GEMV (`gemv.wgsl`: one to seven tokens, gathered
+//! experts, fused norm, dual and concatenated weights) and the tiled GEMM (`gemm.wgsl`: plain, split
+//! and expert-grouped).
+
+use std::sync::Arc;
+
+use bytemuck::{Pod, Zeroable};
+use markbase_graph::ops::{NormScale, Op};
+use markbase_graph::quant::FloatType;
+
+use crate::gpu::device::GpuError;
+use crate::gpu::kernels::{all_formats, div_ceil, dt_code, env_on, env_u32, norm_mode, params_struct, weight_source, COMMON, Kernel, KernelSpec, Kernels, WEIGHTS};
+use crate::gpu::shader::Source;
+use crate::gpu::weights::{GpuFormat, GpuWeight};
+use super::{Family, LowerCtx};
+
+const GEMV: &str = include_str!("../../../wgsl/gemv.wgsl");
+const GEMM: &str = include_str!("../../../wgsl/gemm.wgsl");
+
+/// From this many tokens on, a plain matmul uses the tiled GEMM instead of the GEMV.
+pub const GEMM_MIN_T: usize = 8;
+/// The GEMM takes 128-row tiles when that still makes this many tiles (`MARKBASE_GEMM_WIDE=0|1`
+/// overrides). Measured on the H200 (affine 4-bit, µs): 512 tokens x 3840 rows (240 wide tiles)
+/// 2317 against 2834 at 64 rows; 128 x 8192 (128) 337 against 358; 128 x 3840 (60) 1332 against
+/// 811.
+pub const GEMM_WIDE_MIN_TILES: usize = 96;
+/// A GEMM of fewer 64 x 64 tiles than this cuts K into parts (Vulkan: see
+/// [`KernelOptions::merge_splits`]) to reach about this many workgroups.
+pub const GEMM_SPLIT_WORKGROUPS: usize = 396;
+/// Each part of a split GEMM's K holds at least this many elements.
+pub const GEMM_SPLIT_MIN_K: usize = 256;
+
+/// Weight rows per GEMM tile (64 tokens each): 128 with the wide tiles, else 64.
+fn gemm_tile_rows(wide: bool) -> usize {
+    if wide {
+        128
+    } else {
+        64
+    }
+}
+
+/// Tiles of a GEMM over `rows` weight rows and `t` tokens.
+fn gemm_tiles(rows: usize, t: usize, wide: bool) -> usize {
+    div_ceil(rows, gemm_tile_rows(wide)) * div_ceil(t, 64)
+}
+
+/// Parts of K for a split GEMM of `tiles` 64 x 64 tiles (1: no split); `MARKBASE_GEMM_SPLIT`
+/// overrides (0 or 1: none).
+pub fn gemm_ksplit(tiles: usize, k: usize) -> usize {
+    if let Some(v) = env_u32("MARKBASE_GEMM_SPLIT") {
+        return (v as usize).max(1);
+    }
+    if tiles == 0 || tiles >= GEMM_SPLIT_WORKGROUPS {
+        return 1;
+    }
+    div_ceil(GEMM_SPLIT_WORKGROUPS, tiles).min(k / GEMM_SPLIT_MIN_K).max(1)
+}
+/// Whether the one-token GEMV walks two blocks per step by default (`MARKBASE_GEMV_BP2=0|1`).
+pub const GEMV_BP2: bool = false;
+
+/// From this many rows per weight on, the dual GEMV takes 8 rows of each per workgroup (as
+/// many as a plain GEMV) instead of 4: measured on the H200 with the transposed reduction,
+/// Gemma 3 12B's 15,360 rows (1,920 workgroups) +3.6% decode and Gemma 4 31B's 21,504 +1.2%;
+/// Gemma 3 1B's 6,912 -2.5%, Gemma 4 E2B's 6,144 -4.6%, Gemma 3 270M's 2,048 -9% (too few
+/// workgroups to fill the GPU).
+pub const GEMV_DUAL_WIDE_N: usize = 14336;
+
+/// Below this many rows per weight, the dual GEMV takes 2 rows of each per workgroup instead
+/// of 4: measured on the H200, Gemma 3 270M's 2,048 rows +4.7% decode; Gemma 3 1B's 6,912
+/// -3% and Gemma 4 E2B's 6,144 -3.6% (so they keep 4).
+pub const GEMV_DUAL_NARROW_N: usize = 4096;
+
+/// Below this many rows in all, the q/k/v GEMV takes 2 rows per workgroup instead of 4:
+/// measured on the H200, Gemma 3 270M's and 1B's 1,536 rows +2.6% and +2.2% decode; Gemma 4
+/// E2B's 2,560 unchanged.
+pub const GEMV_CAT_FEW_ROWS: usize = 2048;
+
+/// A one-token GEMV over fewer than this many groups of 8 rows, with rows of at least
+/// [`GEMV_FEW_MIN_K`], takes 4 rows per workgroup: twice the workgroups for a GPU that 8-row
+/// groups leave half idle (`MARKBASE_GEMV_FEW=0` turns it off).
+pub const GEMV_FEW_GROUPS: usize = 256;
+pub const GEMV_FEW_MIN_K: usize = 4096;
+
+fn few_long_rows(n: usize, k: usize) -> bool {
+    n.div_ceil(8) < GEMV_FEW_GROUPS && k >= GEMV_FEW_MIN_K && env_on("MARKBASE_GEMV_FEW")
+}
+
+/// Whether a GEMV walks half blocks: one token, affine 4-bit, K % 32 == 0, one block per step.
+/// Two invocations share each 32-element block, each taking alternate runs of four elements,
+/// so that every vec4 load of activations by a subgroup reads whole 32-byte sectors (an
+/// invocation's own 128-byte block made each load touch as many lines as it has invocations).
+/// Not for the dual GEMV: it reads two weights per step, and whole blocks measured faster.
+fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
+    tt == 1 && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
+}
+
+/// A GEMV's reduction consts for `rs` sums per invocation and `wg` invocations: RS, RS2 ..
+/// RS16, RED_N, and `XRED` (the transposed subgroup reduction, gemv.wgsl) where `rs` is a power
+/// of two up to 16. Measured on the H200 against a `subgroupAdd` per row: the 12B's plain GEMV
+/// 25.0 -> 22.1 µs, decode +4.5%.
+fn gemv_reduction(s: Source, rs: u32, wg: u32) -> Source {
+    s.c("RS", rs)
+        .c("RS2", rs / 2)
+        .c("RS4", rs / 4)
+        .c("RS8", rs / 8)
+        .c("RS16", rs / 16)
+        .c("RED_N", rs * wg)
+        .flag("XRED", rs.is_power_of_two() && rs <= 16)
+}
+
+/// weights.wgsl for a second weight (dual and concatenating GEMVs): its bindings 8..11 moved to
+/// 12..15 and every binding and function name suffixed `_u`; the shared structs are left out.
+fn weights_second() -> &'static str {
+    static S: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    S.get_or_init(|| weights_renamed("_u", 4))
+}
+
+/// weights.wgsl for a third weight (concatenating GEMV): bindings 16..19, names suffixed `_v`.
+fn weights_third() -> &'static str {
+    static S: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    S.get_or_init(|| weights_renamed("_v", 8))
+}
+
+/// weights.wgsl with its bindings moved by `shift` and its names suffixed, structs left out.
+fn weights_renamed(suffix: &str, shift: u32) -> String {
+    {
+        // every function and binding the file declares
+        let names: Vec<&str> = WEIGHTS
+            .lines()
+            .filter_map(|l| match l.strip_prefix("fn ") {
+                Some(rest) => rest.split('(').next(),
+                None if l.starts_with("@group(") => l.split("> ").nth(1).and_then(|r| r.split(':').next()),
+                None => None,
+            })
+            .map(str::trim)
+            .collect();
+        let mut out = String::new();
+        let mut in_struct = false;
+        for line in WEIGHTS.lines() {
+            if line.starts_with("struct ") {
+                in_struct = true;
+            }
+            if in_struct {
+                in_struct = line != "}";
+                continue;
+            }
+            let mut l = line.to_string();
+            for b in 8..12 {
+                l = l.replace(&format!("@binding({b})"), &format!("@binding({})", b + shift));
+            }
+            // rename whole identifiers
+            let mut r = String::with_capacity(l.len() + 8);
+            let mut word = String::new();
+            let flush = |word: &mut String, r: &mut String| {
+                if names.contains(&word.as_str()) {
+                    word.push_str(suffix);
+                }
+                r.push_str(word);
+                word.clear();
+            };
+            for ch in l.chars() {
+                if ch.is_ascii_alphanumeric() || ch == '_' {
+                    word.push(ch);
+                } else {
+                    flush(&mut word, &mut r);
+                    r.push(ch);
+                }
+            }
+            flush(&mut word, &mut r);
+            out.push_str(&r);
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// A GEMV workgroup size from `gemv_wg` held to at most `cap` invocations, unless
+/// `MARKBASE_GEMV_WG` sets it.
+fn gemv_wg_capped(wg: u32, cap: u32) -> u32 {
+    if env_u32("MARKBASE_GEMV_WG").is_some() {
+        wg
+    } else {
+        wg.min(cap)
+    }
+}
+
+pub(crate) const FAMILY: Family = Family { name, source, variants };
+
+fn name(spec: &KernelSpec) -> Option<String> {
+    Some(match spec {
+        KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => format!(
+            "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}{}{}]",
+            fmt.describe(),
+            if *dual { " geglu" } else { "" },
+            match norm {
+                Some(w) => format!(" norm[{}]", w.map_or("none", |t| t.name())),
+                None => String::new(),
+            },
+            if *bp2 { " bp2" } else { "" },
+            if *half && gemv_half(*fmt, *tt, *xvec, *bp2, *dual) { " half" } else { "" },
+            if *gather { " gather" } else { "" },
+            if *xvec { "" } else { " masked" }
+        ),
+        KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => format!(
+            "gemv[{} wg{wg} r{rows} t1 cat{n} norm[{}]{}{}]",
+            fmt.describe(),
+            norm.map_or("none", |t| t.name()),
+            if *half && gemv_half(*fmt, 1, *xvec, false, false) { " half" } else { "" },
+            if *xvec { "" } else { " masked" }
+        ),
+        KernelSpec::Gemm { fmt, wide, split, xvec } => {
+            let flags = [(*wide, " wide"), (*split, " split"), (*xvec, " xvec")];
+            format!("gemm[{}{}]", fmt.describe(), flags.iter().filter(|f| f.0).map(|f| f.1).collect::<String>())
+        }
+        KernelSpec::GroupedGemm { fmt } => format!("gemm_grouped[{}]", fmt.describe()),
+        _ => return None,
+    })
+}
+
+fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
+    Some(match *spec {
+        KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => {
+            let files: &[&'static str] = if dual { &[COMMON, WEIGHTS, weights_second(), GEMV] } else { &[COMMON, WEIGHTS, GEMV] };
+            let rs = rows * tt * if dual { 2 } else { 1 };
+            let half = half && gemv_half(fmt, tt, xvec, bp2, dual);
+            let s = gemv_reduction(Source::new(files), rs, wg)
+                .flag("DUAL", dual)
+                .c("NDT", norm.flatten().map_or(2, dt_code))
+                .flag("PRENORM", norm.is_some())
+                .flag("HAS_NW", norm.flatten().is_some())
+                .c("WG", wg)
+                .c("R", rows)
+                .c("TT", tt)
+                .flag("SUBGROUP", sg)
+                .flag("GATHER", gather)
+                .flag("XVEC", xvec)
+                .flag("TT1", tt == 1)
+                .flag("BP2", bp2 && tt == 1)
+                .flag("HALF", half);
+            // half blocks read their weights in 8-byte words
+            weight_source(s, fmt, true, xvec, half)
+        }
+        KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n, half } => {
+            let files: &[&'static str] =
+                if n == 3 { &[COMMON, WEIGHTS, weights_second(), weights_third(), GEMV] } else { &[COMMON, WEIGHTS, weights_second(), GEMV] };
+            let half = half && gemv_half(fmt, 1, xvec, false, false);
+            let s = gemv_reduction(Source::new(files), rows, wg)
+                .flag("DUAL", false)
+                .c("NDT", norm.map_or(2, dt_code))
+                .flag("PRENORM", true)
+                .flag("HAS_NW", norm.is_some())
+                .c("WG", wg)
+                .c("R", rows)
+                .c("TT", 1)
+                .flag("SUBGROUP", sg)
+                .flag("GATHER", false)
+                .flag("XVEC", xvec)
+                .flag("TT1", true)
+                .flag("BP2", false)
+                .flag("HALF", half)
+                .flag("CAT", true)
+                .flag("CAT3", n == 3);
+            weight_source(s, fmt, true, xvec, half)
+        }
+        KernelSpec::Gemm { fmt, wide, split, xvec } => {
+            let s = Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256);
+            weight_source(s.flag("WIDE", wide).flag("SPLIT", split).flag("XVEC", xvec), fmt, false, false, false)
+        }
+        KernelSpec::GroupedGemm { fmt } => {
+            weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false, false)
+        }
+        _ => return None,
+    })
+}
+
+fn variants() -> Vec<KernelSpec> {
+    let fmts = all_formats();
+    let mut v = Vec::new();
+    for &fmt in &fmts {
+        for (tt, gather) in [(1, false), (3, false), (1, true)] {
+            for xvec in [true, false] {
+                for bp2 in [false, true] {
+                    if bp2 && tt != 1 {
+                        continue;
+                    }
+                    // half blocks and, where they apply, whole blocks
+                    let halves: &[bool] = if gemv_half(fmt, tt, xvec, bp2, false) { &[true, false] } else { &[true] };
+                    for &half in halves {
+                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false, half });
+                        if tt == 1 && !gather {
+                            let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half });
+                            if !bp2 {
+                                if half {
+                                    // the dual GEMV walks whole blocks
+                                    for rows in [4, 8] {
+                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows, tt, gather, xvec, bp2, norm, dual: true, half: false });
+                                    }
+                                }
+                                if !fmt.has_global() {
+                                    for n in [2, 3] {
+                                        v.push(KernelSpec::GemvCat { fmt, wg: 128, rows: 4, xvec, norm: norm.flatten(), n, half });
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (wide, split) in [(false, false), (true, false), (false, true)] {
+            for xvec in [false, true] {
+                v.push(KernelSpec::Gemm { fmt, wide, split, xvec });
+            }
+        }
+        v.push(KernelSpec::GroupedGemm { fmt });
+    }
+    v
+}
+
+impl Kernels {
+    /// A matmul `y[T, N] = x[T, K] @ W^T` (or GatherMatMul when `gather`) for `t` tokens
+    /// (`gather`: `t` = T*S pairs): the GEMV for `t < GEMM_MIN_T` or gathered, else the GEMM.
+    pub fn matmul(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
+        self.matmul_spec(self.matmul_spec_for(fmt, k, t, gather, None, None)?)
+    }
+
+    /// [`Kernels::matmul`] for a weight of `n` rows: a one-token GEMV over few, long rows takes
+    /// half the rows per workgroup (see [`GEMV_FEW_GROUPS`]).
+    pub fn matmul_rows(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, gather: bool) -> Result<MatMulKernel, GpuError> {
+        self.matmul_spec(self.matmul_spec_for(fmt, k, t, gather, None, Some(n))?)
+    }
+
+    /// `rms_norm(x) @ W^T` for one token (`Op::NormMatMul`): the GEMV with the norm
+    /// in front; `norm`: the norm weight's dtype (`None`: no weight).
+    pub fn norm_matmul(&self, fmt: GpuFormat, k: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
+        self.matmul_spec(self.matmul_spec_for(fmt, k, 1, false, Some(norm), None)?)
+    }
+
+    /// `gelu(rms_norm(x) @ Wg^T) * (rms_norm(x) @ Wu^T)` for one token (`Op::NormGeGlu`)
+    /// over weights of `n` rows: the dual GEMV, half the rows per workgroup of each weight, or
+    /// as many as a plain GEMV from [`GEMV_DUAL_WIDE_N`] rows on.
+    pub fn norm_geglu(&self, fmt: GpuFormat, k: usize, n: usize, norm: Option<FloatType>) -> Result<MatMulKernel, GpuError> {
+        let KernelSpec::Gemv { fmt, rows, tt, gather, xvec, norm, .. } = self.matmul_spec_for(fmt, k, 1, false, Some(norm), None)? else {
+            return Err(GpuError::Kernel { name: "norm_geglu".into(), msg: "not a GEMV".into() });
+        };
+        let wide = n >= GEMV_DUAL_WIDE_N && rows >= 8;
+        let narrow = n < GEMV_DUAL_NARROW_N;
+        let rows = env_u32("MARKBASE_GEMV_DUAL_ROWS").unwrap_or(if wide {
+            rows
+        } else if narrow {
+            (rows / 4).max(1)
+        } else {
+            (rows / 2).max(1)
+        });
+        // at most 128 invocations: Gemma 4 31B's gate/up (K = 5376) measured 5% faster than at 256
+        let wg = env_u32("MARKBASE_GEMV_DUAL_WG").unwrap_or_else(|| gemv_wg_capped(self.gemv_wg(k, tt, false, false), 128));
+        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true, half: false })
+    }
+
+    /// `Op::NormMatMul` over several weights in one dispatch, when they allow it: two or three,
+    /// of one format without a global scale, one row length and one chunk each. `None`: run
+    /// them one by one.
+    pub fn norm_matmul_cat(&self, ws: &[&GpuWeight], norm: Option<FloatType>) -> Result<Option<MatMulKernel>, GpuError> {
+        let w0 = ws[0];
+        let alike = ws.iter().all(|w| w.format == w0.format && w.k == w0.k && w.chunks.len() == 1);
+        if !(2..=3).contains(&ws.len()) || !alike || w0.format.has_global() {
+            return Ok(None);
+        }
+        let KernelSpec::Gemv { fmt, wg, rows, xvec, half, .. } = self.matmul_spec_for(w0.format, w0.k, 1, false, Some(norm), None)? else {
+            return Ok(None);
+        };
+        // half the rows of a plain GEMV per workgroup (like the dual GEMV): each row group is
+        // unrolled once per weight; at most 128 invocations (measured faster than 256 on the
+        // H200 for Gemma 3 12B's q/k/v, K = 3840), unless overridden
+        // (a quarter of them for few rows in all: see GEMV_CAT_FEW_ROWS)
+        let total: usize = ws.iter().map(|w| w.rows).sum();
+        let rows = env_u32("MARKBASE_GEMV_CAT_ROWS").unwrap_or(if total < GEMV_CAT_FEW_ROWS { (rows / 4).max(1) } else { (rows / 2).max(1) });
+        let wg = env_u32("MARKBASE_GEMV_CAT_WG").unwrap_or(gemv_wg_capped(wg, 128));
+        Ok(Some(self.matmul_spec(KernelSpec::GemvCat { fmt, wg, rows, xvec, norm, n: ws.len() as u32, half })?))
+    }
+
+    /// The GEMV or GEMM spec of a matmul (not built); `n`: the weight's rows where they may
+    /// pick the rows per workgroup.
+    fn matmul_spec_for(&self, fmt: GpuFormat, k: usize, t: usize, gather: bool, norm: Option<Option<FloatType>>, n: Option<usize>) -> Result<KernelSpec, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
+        if norm.is_some() && (t != 1 || gather) {
+            return Err(GpuError::Kernel { name: "norm_matmul".into(), msg: format!("a fused norm needs one token, not {t}") });
+        }
+        let xvec = k % 32 == 0;
+        let gemv = gather || t < GEMM_MIN_T;
+        let spec = if gemv {
+            let tt = if gather { 1 } else { t.clamp(1, GEMM_MIN_T - 1) as u32 };
+            // tuning overrides: MARKBASE_GEMV_ROWS, MARKBASE_GEMV_WG (power of two, in gemv_wg)
+            // 8 rows per workgroup measured best for affine and float weights on the H200;
+            // the fp4/fp8 decoders (per-element selects) run out of registers there: 2, except
+            // mxfp4 for one token: 4; few, long rows of one token: 4
+            let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
+            let few = tt == 1 && !gather && n.is_some_and(|n| few_long_rows(n, k));
+            let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy && tt == 1 && fmt == GpuFormat::Mxfp4 {
+                4
+            } else if heavy {
+                2
+            } else if tt == 1 && !few {
+                8
+            } else {
+                4
+            });
+            let bp2 = tt == 1 && env_u32("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
+            let half = self.opts.half_blocks && gemv_half(fmt, tt, xvec, bp2, false);
+            let wg = self.gemv_wg(k, tt, half, bp2);
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
+        } else {
+            let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
+            let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
+            KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
+        };
+        Ok(spec)
+    }
+
+    /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
+    /// blocks), up to 256 (128 with several tokens); `MARKBASE_GEMV_WG` overrides it.
+    fn gemv_wg(&self, k: usize, tt: u32, half: bool, bp2: bool) -> u32 {
+        let nblk = div_ceil(k, 32) as u32;
+        let steps = if bp2 {
+            nblk.div_ceil(2)
+        } else if half {
+            2 * nblk
+        } else {
+            nblk
+        };
+        let max_wg = (self.limits.max_compute_invocations_per_workgroup).min(if tt == 1 { 256 } else { 128 });
+        let env = env_u32("MARKBASE_GEMV_WG");
+        env.unwrap_or_else(|| steps.next_power_of_two()).next_power_of_two().clamp(32, max_wg)
+    }
+
+    /// A matmul launcher for an explicit `Gemv`/`Gemm`/`GroupedGemm` spec (tests, tuning).
+    pub fn matmul_spec(&self, spec: KernelSpec) -> Result<MatMulKernel, GpuError> {
+        if !matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. }) {
+            return Err(GpuError::Kernel { name: spec.name(), msg: "not a matmul spec".into() });
+        }
+        Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
+    }
+
+    /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
+    /// Dims: [`MatMulDims::gathered`]; binding 3 is the `Op::MoeGroup` value.
+    pub fn grouped_matmul(&self, fmt: GpuFormat, k: usize) -> Result<MatMulKernel, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "grouped_matmul".into(), msg: m })?;
+        self.matmul_spec(KernelSpec::GroupedGemm { fmt })
+    }
+}
+
+params_struct! {
+    /// Params of `gemv.wgsl` / `gemm.wgsl` (binding 0).
+    #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+    pub struct MatMulParams {
+        pub t: u32,
+        pub k: u32,
+        pub rows: u32,
+        pub row_start: u32,
+        pub ldy: u32,
+        pub e_start: u32,
+        pub e_count: u32,
+        pub s: u32,
+        pub x_bcast: u32,
+        /// Experts of the whole stack (grouped GEMM: where the pair list starts).
+        pub experts: u32,
+        /// Fused norm (`Gemv` with `norm`): 0 no weight, 1 `w`, 2 `1 + w`; and its epsilon.
+        pub norm_mode: u32,
+        pub norm_eps: f32,
+        /// Rows of the second and third weight (`GemvCat`).
+        pub rows2: u32,
+        pub rows3: u32,
+        /// Parts of K (split GEMM).
+        pub ksplit: u32,
+        pub _pad: u32,
+    }
+}
+
+/// Shape of one matmul dispatch (one weight chunk).
+#[derive(Clone, Copy, Debug)]
+pub struct MatMulDims {
+    /// Tokens (gathered: T*S pairs).
+    pub t: usize,
+    pub k: usize,
+    /// Rows of the chunk (gathered: N, rows per expert).
+    pub rows: usize,
+    /// Output column of the chunk's first row (gathered: 0).
+    pub row_start: usize,
+    /// Row stride of y (N of the whole weight).
+    pub ldy: usize,
+    pub gather: Option<GatherDims>,
+    /// Fused RMSNorm of x (`Op::NormMatMul`): its scale convention and epsilon.
+    pub norm: Option<(NormScale, f32)>,
+    /// Rows of the second and third weight whose outputs follow (`GemvCat`; 0 without).
+    pub cat: [usize; 2],
+    /// Parts of K of a split GEMM (0: [`gemm_ksplit`]'s choice).
+    pub ksplit: usize,
+}
+
+/// Gathered-matmul extras.
+#[derive(Clone, Copy, Debug)]
+pub struct GatherDims {
+    /// Experts per token.
+    pub s: usize,
+    /// Experts held by the chunk.
+    pub e_start: usize,
+    pub e_count: usize,
+    /// x is `[T, K]`, shared by a token's S pairs (else `[T, S, K]`).
+    pub x_bcast: bool,
+    /// Experts of the whole stack.
+    pub experts: usize,
+}
+
+impl MatMulDims {
+    /// Dims of chunk `c` of `w` for `t` tokens (plain matmul).
+    pub fn plain(w: &GpuWeight, c: usize, t: usize) -> Self {
+        let ch = &w.chunks[c];
+        MatMulDims { t, k: w.k, rows: ch.rows, row_start: ch.row_start, ldy: w.rows, gather: None, norm: None, cat: [0; 2], ksplit: 0 }
+    }
+    /// Dims of one token through 2 or 3 single-chunk weights side by side (`GemvCat`).
+    pub fn cat(ws: &[&GpuWeight]) -> Self {
+        let rows = |i: usize| ws.get(i).map_or(0, |w| w.rows);
+        let ldy = ws.iter().map(|w| w.rows).sum();
+        MatMulDims { t: 1, k: ws[0].k, rows: rows(0), row_start: 0, ldy, gather: None, norm: None, cat: [rows(1), rows(2)], ksplit: 0 }
+    }
+    /// With a fused norm in front.
+    pub fn with_norm(self, scale: NormScale, eps: f32) -> Self {
+        MatMulDims { norm: Some((scale, eps)), ..self }
+    }
+    /// Dims of chunk `c` of the expert stack `w` for `tokens` tokens with `s` experts each.
+    pub fn gathered(w: &GpuWeight, c: usize, tokens: usize, s: usize, x_bcast: bool) -> Self {
+        let (e_start, e_count) = w.chunk_experts(c);
+        MatMulDims {
+            t: tokens * s,
+            k: w.k,
+            rows: w.rows_per_expert,
+            row_start: 0,
+            ldy: w.rows_per_expert,
+            gather: Some(GatherDims { s, e_start, e_count, x_bcast, experts: w.experts }),
+            norm: None,
+            cat: [0; 2],
+            ksplit: 0,
+        }
+    }
+}
+
+/// Matmul launcher. Bindings: 0 params, 1 x (f32), 2 y (f32, written), 3 routing (gathered
+/// GEMV: the ids, u32 `[T*S]`; grouped GEMM: the `Op::MoeGroup` value), 4 norm weight (fused
+/// norm with a weight), 8 packed weights, 9 scales (affine: scale and bias pairs), 11 global scale (as
+/// the format has them).
+pub struct MatMulKernel {
+    pub kernel: Arc<Kernel>,
+    pub spec: KernelSpec,
+    maxg: u32,
+}
+
+impl MatMulKernel {
+    pub fn is_gemv(&self) -> bool {
+        matches!(self.spec, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. })
+    }
+
+    pub fn params(&self, d: &MatMulDims) -> MatMulParams {
+        let g = d.gather.unwrap_or(GatherDims { s: 1, e_start: 0, e_count: 0, x_bcast: false, experts: 0 });
+        MatMulParams {
+            t: d.t as u32,
+            k: d.k as u32,
+            rows: d.rows as u32,
+            row_start: d.row_start as u32,
+            ldy: d.ldy as u32,
+            e_start: g.e_start as u32,
+            e_count: g.e_count as u32,
+            s: g.s as u32,
+            x_bcast: g.x_bcast as u32,
+            experts: g.experts as u32,
+            norm_mode: d.norm.map_or(0, |(s, _)| norm_mode(s)),
+            norm_eps: d.norm.map_or(0.0, |(_, e)| e),
+            rows2: d.cat[0] as u32,
+            rows3: d.cat[1] as u32,
+            ksplit: self.ksplit(d) as u32,
+            _pad: 0,
+        }
+    }
+
+    /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
+    pub fn is_split(&self) -> bool {
+        matches!(self.spec, KernelSpec::Gemm { split: true, .. })
+    }
+
+    /// Parts of K of dispatch `d` (1 unless split).
+    pub fn ksplit(&self, d: &MatMulDims) -> usize {
+        if !self.is_split() {
+            return 1;
+        }
+        if d.ksplit > 0 {
+            return d.ksplit;
+        }
+        gemm_ksplit(gemm_tiles(d.rows, d.t, false), d.k)
+    }
+
+    /// Bytes of the split GEMM's partial sums and of its counters for dispatch `d`.
+    pub fn split_scratch_bytes(&self, d: &MatMulDims) -> (u64, u64) {
+        let tiles = gemm_tiles(d.rows, d.t, false) as u64;
+        (tiles * self.ksplit(d) as u64 * 64 * 64 * 4, tiles * 4)
+    }
+
+    /// Bind group of a split GEMM: chunk `c` of `w`, partial sums `part`, counters `done` (zeroed
+    /// before the first dispatch; each dispatch leaves them zeroed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_split(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        part: &wgpu::Buffer,
+        done: &wgpu::Buffer,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        self.bind(device, params, x, y, &[(5, part), (6, done)], w, None, c)
+    }
+
+    pub fn groups(&self, d: &MatMulDims) -> [u32; 3] {
+        let m = self.maxg as usize;
+        match self.spec {
+            KernelSpec::Gemv { rows, tt, gather, .. } => {
+                let ty = if gather { d.t } else { div_ceil(d.t, tt as usize) };
+                [div_ceil(d.rows, rows as usize).min(m) as u32, ty.min(m) as u32, 1]
+            }
+            KernelSpec::GemvCat { rows, .. } => {
+                let g: usize = [d.rows, d.cat[0], d.cat[1]].iter().map(|&r| div_ceil(r, rows as usize)).sum();
+                [g.min(m) as u32, 1, 1]
+            }
+            KernelSpec::GroupedGemm { .. } => {
+                // a slot per possible tile: each expert's last tile may be partial
+                let experts = d.gather.map_or(0, |g| g.e_count);
+                [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
+            }
+            KernelSpec::Gemm { wide, .. } => {
+                [div_ceil(d.rows, gemm_tile_rows(wide)).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
+            }
+            _ => [div_ceil(d.rows, 64).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, 1],
+        }
+    }
+
+    /// Bind group for chunk `c` of `w`.
+    pub fn bind_group(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        routing: Option<&wgpu::Buffer>,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        self.bind(device, params, x, y, routing.map(|r| (3, r)).as_slice(), w, None, c)
+    }
+
+    /// Bindings 0-2, the extras (`(binding, buffer)`), chunk `c` of `w` at 8.. and of the dual
+    /// GEMV's second weight `wu` at 12...
+    #[allow(clippy::too_many_arguments)]
+    fn bind(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        extra: &[(u32, &wgpu::Buffer)],
+        w: &GpuWeight,
+        wu: Option<&GpuWeight>,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        res.extend(extra.iter().map(|&(b, buf)| (b, buf.as_entire_binding())));
+        res.extend(w.bindings(c));
+        if let Some(wu) = wu {
+            res.extend(wu.bindings(c).into_iter().map(|(b, r)| (b + 4, r)));
+        }
+        self.kernel.bind_group(device, &res)
+    }
+
+    /// Bind group for chunk `c` of the gate `w` and the up `wu` (dual GEMV) behind a fused
+    /// norm with weight `nw`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_dual(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+        w: &GpuWeight,
+        wu: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, Some(wu), c)
+    }
+
+    /// Bind group for the single-chunk weights `ws` (at 8.., 12.., 16..) behind a fused norm with
+    /// weight `nw` (`GemvCat`).
+    pub fn bind_group_cat(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+        ws: &[&GpuWeight],
+    ) -> wgpu::BindGroup {
+        let mut res = vec![(0, params.as_entire_binding()), (1, x.as_entire_binding()), (2, y.as_entire_binding())];
+        if let Some(b) = nw {
+            res.push((4, b.as_entire_binding()));
+        }
+        for (i, w) in ws.iter().enumerate() {
+            res.extend(w.bindings(0).into_iter().map(|(b, r)| (b + 4 * i as u32, r)));
+        }
+        self.kernel.bind_group(device, &res)
+    }
+
+    /// Bind group for chunk `c` of `w` behind a fused norm with weight `nw`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_norm(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nw: Option<&wgpu::Buffer>,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, None, c)
+    }
+
+    pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, d: &MatMulDims) {
+        self.kernel.dispatch(pass, bg, self.groups(d));
+    }
+}
+
+/// Lowers the matmul ops.
+pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
+    let (dev, kernels, op) = (cx.dev(), cx.kernels, cx.op);
+    match op {
+        Op::MatMul => {
+            let w = cx.mat(1)?;
+            let rows = cx.graph.node(cx.ins[0]).ty.rows();
+            let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
+            for ci in 0..w.chunks.len() {
+                let d = MatMulDims::plain(w, ci, rows);
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let bg = if k.is_split() {
+                    let (pb, cb) = k.split_scratch_bytes(&d);
+                    if cx.acc.split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
+                        let pair = (cx.gpu.storage("gemm.partials", pb), cx.gpu.storage("gemm.counters", cb));
+                        cx.acc.scratch.extend([pair.0.clone(), pair.1.clone()]);
+                        cx.acc.split_scratch = Some(pair);
+                    }
+                    let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
+                    k.bind_group_split(dev, &p, &cx.input(0)?, &cx.out()?, part, done, w, ci)
+                } else {
+                    k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, None, w, ci)
+                };
+                cx.push(k.kernel.clone(), bg, k.groups(&d));
+            }
+        }
+        Op::GatherMatMul => {
+            let w = cx.mat(2)?;
+            let ids_shape = cx.shape_of(1);
+            let (t, s) = (ids_shape[0], ids_shape[1]);
+            let bcast = cx.graph.node(cx.ins[0]).ty.shape.len() == 2;
+            let k = kernels.matmul(w.format, w.k, t * s, true).map_err(cx.kerr())?;
+            for ci in 0..w.chunks.len() {
+                let d = MatMulDims::gathered(w, ci, t, s, bcast);
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&cx.input(1)?), w, ci);
+                cx.push(k.kernel.clone(), bg, k.groups(&d));
+            }
+        }
+        Op::GroupedMatMul => {
+            let w = cx.mat(2)?;
+            let ids_shape = cx.shape_of(1);
+            let (t, s) = (ids_shape[0], ids_shape[1]);
+            let bcast = cx.graph.node(cx.ins[0]).ty.shape.len() == 2;
+            let k = kernels.grouped_matmul(w.format, w.k).map_err(cx.kerr())?;
+            for ci in 0..w.chunks.len() {
+                let d = MatMulDims::gathered(w, ci, t, s, bcast);
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&cx.input(3)?), w, ci);
+                cx.push(k.kernel.clone(), bg, k.groups(&d));
+            }
+        }
+        Op::NormGeGlu { eps, scale } => {
+            let (gi, ui) = (cx.ins.len() - 2, cx.ins.len() - 1);
+            let (w, wu) = (cx.mat(gi)?, cx.mat(ui)?);
+            if w.format != wu.format || w.k != wu.k || w.rows != wu.rows || w.chunks.len() != wu.chunks.len() {
+                return Err(cx.fail("gate and up differ in format or shape"));
+            }
+            let rows = cx.graph.node(cx.ins[0]).ty.rows();
+            if rows != 1 {
+                return Err(cx.fail(format!("a fused GeGLU runs on one token, not {rows}")));
+            }
+            let nw = cx.norm_w()?;
+            let k = kernels.norm_geglu(w.format, w.k, w.rows, nw.map(|v| v.1)).map_err(cx.kerr())?;
+            for ci in 0..w.chunks.len() {
+                let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let bg = k.bind_group_dual(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, wu, ci);
+                cx.push(k.kernel.clone(), bg, k.groups(&d));
+            }
+        }
+        Op::NormMatMul { eps, scale } => {
+            let first_w = op.norm_weight_input().map_or(1, |i| i + 1);
+            let ws = (first_w..cx.ins.len()).map(|i| cx.mat(i)).collect::<Result<Vec<_>, _>>()?;
+            let rows = cx.graph.node(cx.ins[0]).ty.rows();
+            let nw = cx.norm_w()?;
+            if rows != 1 {
+                return Err(cx.fail(format!("a fused norm runs on one token, not {rows}")));
+            }
+            let ldy = cx.node.ty.last();
+            let cat = if ws.len() > 1 { kernels.norm_matmul_cat(&ws, nw.map(|v| v.1)).map_err(cx.kerr())? } else { None };
+            if let Some(k) = cat {
+                // every weight in one dispatch
+                let d = MatMulDims::cat(&ws).with_norm(*scale, *eps);
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let bg = k.bind_group_cat(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), &ws);
+                cx.push(k.kernel.clone(), bg, k.groups(&d));
+            } else {
+                // weight by weight, chunk by chunk, each into its columns
+                let mut col = 0;
+                for w in &ws {
+                    let k = kernels.norm_matmul(w.format, w.k, nw.map(|v| v.1)).map_err(cx.kerr())?;
+                    for ci in 0..w.chunks.len() {
+                        let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
+                        let d = MatMulDims { row_start: col + d.row_start, ldy, ..d };
+                        let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                        let bg = k.bind_group_norm(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, ci);
+                        cx.push(k.kernel.clone(), bg, k.groups(&d));
+                    }
+                    col += w.rows;
+                }
+            }
+        }
+        _ => return Err(cx.not_ours("matmul")),
+    }
+    Ok(())
+}

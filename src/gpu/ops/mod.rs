@@ -1,0 +1,229 @@
+//! The kernel families, one module per WGSL file (or group of files): each holds its
+//! [`KernelSpec`] names, sources and variants, its launchers and params structs, and the
+//! lowering of its graph ops to dispatches ([`lower`] picks the family of an op).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use petgraph::graph::NodeIndex;
+
+use markbase_graph::ir::{Graph, Node};
+use markbase_graph::ops::Op;
+use markbase_graph::quant::FloatType;
+
+use super::device::{Gpu, GpuError};
+use super::kernels::{Kernel, KernelSpec, Kernels};
+use super::shader::Source;
+use super::weights::GpuWeight;
+
+pub mod argmax;
+pub mod attention;
+pub mod copy;
+pub mod elementwise;
+pub mod embed;
+pub mod kv_write;
+pub mod matmul;
+pub mod rmsnorm;
+pub mod rope;
+pub mod routing;
+pub mod sample;
+
+/// A kernel family's part of [`KernelSpec`]: each function answers `None` for the specs of
+/// other families.
+pub(crate) struct Family {
+    pub name: fn(&KernelSpec) -> Option<String>,
+    /// The source of a spec; the flag: subgroups on (for the specs that have a variant).
+    pub source: fn(&KernelSpec, bool) -> Option<Source>,
+    /// A representative set of the family's variants (for the naga target test).
+    pub variants: fn() -> Vec<KernelSpec>,
+}
+
+pub(crate) const FAMILIES: &[Family] = &[
+    matmul::FAMILY,
+    embed::FAMILY,
+    rmsnorm::FAMILY,
+    rope::FAMILY,
+    kv_write::FAMILY,
+    attention::FAMILY,
+    elementwise::FAMILY,
+    routing::FAMILY,
+    copy::FAMILY,
+    argmax::FAMILY,
+];
+
+/// One recorded dispatch.
+pub(crate) struct Dispatch {
+    pub kernel: Arc<Kernel>,
+    pub bind: wgpu::BindGroup,
+    pub groups: [u32; 3],
+    /// The node it computes.
+    pub node: NodeIndex,
+}
+
+/// What lowering any node needs: the device, the kernels, the graph, the uploaded weights and
+/// the value buffers.
+#[derive(Clone, Copy)]
+pub(crate) struct LowerEnv<'a> {
+    pub gpu: &'a Gpu,
+    pub kernels: &'a Kernels,
+    pub graph: &'a Graph,
+    pub mats: &'a HashMap<String, GpuWeight>,
+    pub vecs: &'a HashMap<String, (wgpu::Buffer, FloatType)>,
+    /// The buffer holding a node's value.
+    pub values: &'a dyn Fn(NodeIndex) -> Result<wgpu::Buffer, String>,
+}
+
+/// What lowering a graph produces besides its bind groups.
+#[derive(Default)]
+pub(crate) struct Lowered {
+    /// Uniform params buffers of the dispatches.
+    pub params: Vec<wgpu::Buffer>,
+    /// Scratch buffers owned by the dispatches (kept alive with them).
+    pub scratch: Vec<wgpu::Buffer>,
+    /// The split GEMMs' partial sums and counters: one pair shared by all of them (their
+    /// dispatches run one after the other and leave the counters zeroed), replaced by a
+    /// larger one when a GEMM needs more.
+    pub split_scratch: Option<(wgpu::Buffer, wgpu::Buffer)>,
+    /// Dispatches recorded since the last [`Lowered::take_dispatches`].
+    dispatches: Vec<Dispatch>,
+}
+
+impl Lowered {
+    /// The dispatches recorded so far, handed over.
+    pub fn take_dispatches(&mut self) -> Vec<Dispatch> {
+        std::mem::take(&mut self.dispatches)
+    }
+}
+
+/// The lowering of one node: its op and inputs, what every node needs, and where its params
+/// buffers, scratch buffers and dispatches go.
+pub(crate) struct LowerCtx<'a> {
+    pub gpu: &'a Gpu,
+    pub kernels: &'a Kernels,
+    pub graph: &'a Graph,
+    mats: &'a HashMap<String, GpuWeight>,
+    vecs: &'a HashMap<String, (wgpu::Buffer, FloatType)>,
+    values: &'a dyn Fn(NodeIndex) -> Result<wgpu::Buffer, String>,
+    pub acc: &'a mut Lowered,
+    pub n: NodeIndex,
+    pub node: &'a Node,
+    pub op: &'a Op,
+    pub ins: Vec<NodeIndex>,
+}
+
+impl<'a> LowerCtx<'a> {
+    /// The lowering of node `n` (an op) into `acc`.
+    pub fn new(env: LowerEnv<'a>, acc: &'a mut Lowered, n: NodeIndex) -> Result<Self, String> {
+        let node = env.graph.node(n);
+        let op = node.op().ok_or_else(|| format!("node %{} {} is not an op", node.id, node.name))?;
+        Ok(LowerCtx {
+            gpu: env.gpu,
+            kernels: env.kernels,
+            graph: env.graph,
+            mats: env.mats,
+            vecs: env.vecs,
+            values: env.values,
+            acc,
+            n,
+            node,
+            op,
+            ins: env.graph.inputs(n),
+        })
+    }
+
+    pub fn dev(&self) -> &'a wgpu::Device {
+        &self.gpu.device
+    }
+
+    /// The buffer of node `n`'s value.
+    pub fn buf(&self, n: NodeIndex) -> Result<wgpu::Buffer, String> {
+        (self.values)(n)
+    }
+
+    /// The buffer of input `i`'s value.
+    pub fn input(&self, i: usize) -> Result<wgpu::Buffer, String> {
+        self.buf(self.ins[i])
+    }
+
+    /// The buffer of the node's value.
+    pub fn out(&self) -> Result<wgpu::Buffer, String> {
+        self.buf(self.n)
+    }
+
+    /// The shape of input `i`.
+    pub fn shape_of(&self, i: usize) -> Vec<usize> {
+        self.graph.node(self.ins[i]).ty.shape.clone()
+    }
+
+    /// A kernel error, named by the node.
+    pub fn kerr(&self) -> impl Fn(GpuError) -> String + 'a {
+        let node = self.node;
+        move |e| format!("node %{} {}: {e}", node.id, node.name)
+    }
+
+    /// An error of the node.
+    pub fn fail(&self, msg: impl std::fmt::Display) -> String {
+        format!("node %{} {}: {msg}", self.node.id, self.node.name)
+    }
+
+    fn wname(&self, i: usize) -> Option<String> {
+        self.graph.node(self.ins[i]).weight().map(|p| p.name.clone())
+    }
+
+    /// The matrix weight at input `i`.
+    pub fn mat(&self, i: usize) -> Result<&'a GpuWeight, String> {
+        let name = self.wname(i).ok_or_else(|| format!("node {}: input {i} is not a weight", self.node.name))?;
+        self.mats.get(&name).ok_or_else(|| format!("weight {name} not uploaded"))
+    }
+
+    /// The vector weight at input `i` (`None`: not a vector weight).
+    pub fn vecw(&self, i: usize) -> Option<&'a (wgpu::Buffer, FloatType)> {
+        let vecs = self.vecs;
+        self.wname(i).and_then(|nm| vecs.get(&nm))
+    }
+
+    /// The norm weight of a norm or fused-norm op (at the slot the op defines).
+    pub fn norm_w(&self) -> Result<Option<&'a (wgpu::Buffer, FloatType)>, String> {
+        self.op.norm_weight_input().map(|i| self.vecw(i).ok_or_else(|| format!("node {}: norm weight missing", self.node.name))).transpose()
+    }
+
+    /// A uniform params buffer holding `bytes`.
+    pub fn uni(&mut self, bytes: &[u8]) -> wgpu::Buffer {
+        let b = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(&self.node.name),
+            size: (bytes.len() as u64 + 15) / 16 * 16,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.gpu.queue.write_buffer(&b, 0, bytes);
+        self.acc.params.push(b.clone());
+        b
+    }
+
+    /// Records a dispatch of the node.
+    pub fn push(&mut self, kernel: Arc<Kernel>, bind: wgpu::BindGroup, groups: [u32; 3]) {
+        self.acc.dispatches.push(Dispatch { kernel, bind, groups, node: self.n });
+    }
+
+    /// The error of a family asked to lower an op of another.
+    fn not_ours(&self, family: &str) -> String {
+        self.fail(format!("{} is not an op of the {family} kernels", self.op.name()))
+    }
+}
+
+/// Lowers the node of `cx` to its dispatches: the op's family does it.
+pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
+    match cx.op {
+        Op::Reshape { .. } => Ok(()),
+        Op::Embed { .. } => embed::lower(cx),
+        Op::MatMul | Op::GatherMatMul | Op::GroupedMatMul | Op::NormGeGlu { .. } | Op::NormMatMul { .. } => matmul::lower(cx),
+        Op::RmsNorm { .. } | Op::RmsNormAdd { .. } => rmsnorm::lower(cx),
+        Op::Rope { .. } | Op::NormRope { .. } | Op::KvWriteNormRope { .. } => rope::lower(cx),
+        Op::KvWrite { .. } => kv_write::lower(cx),
+        Op::Attention { .. } | Op::NormRopeAttention { .. } => attention::lower(cx),
+        Op::Binary { .. } | Op::Unary { .. } | Op::GeGlu => elementwise::lower(cx),
+        Op::MoeGroup { .. } | Op::TopK { .. } | Op::TopKSoftmax | Op::WeightedSum => routing::lower(cx),
+        Op::Slice { .. } | Op::Concat { .. } => copy::lower(cx),
+        Op::Argmax | Op::Sample => argmax::lower(cx),
+    }
+}
