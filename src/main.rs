@@ -24,7 +24,9 @@ enum DumpFormat {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Phases {
-    /// Embedding + layers, then the head.
+    /// What the runtime runs: one phase for a decode step, two for a prefill.
+    Auto,
+    /// Embedding + layers, then the head (what prefills run).
     Two,
     /// One phase per layer.
     PerLayer,
@@ -117,7 +119,7 @@ enum Cmd {
         /// KV-cache length of full-attention layers.
         #[arg(long, default_value_t = 4096)]
         max_context: usize,
-        #[arg(long, value_enum, default_value = "two")]
+        #[arg(long, value_enum, default_value = "auto")]
         phases: Phases,
         #[command(flatten)]
         fuse: FuseArgs,
@@ -256,7 +258,8 @@ fn main() -> ExitCode {
                 DumpFormat::Dot => cli::DumpFormat::Dot,
             };
             let policy = match phases {
-                Phases::Two => markbase::graph::PhasePolicy::EmbedLayersHead,
+                Phases::Auto if tokens == 1 => markbase::graph::PhasePolicy::Step,
+                Phases::Auto | Phases::Two => markbase::graph::PhasePolicy::EmbedLayersHead,
                 Phases::PerLayer => markbase::graph::PhasePolicy::PerLayer,
                 Phases::One => markbase::graph::PhasePolicy::Step,
             };

@@ -445,3 +445,38 @@ fn no_fuse_switches_rules_off_on_every_command() {
     let (ok, _, err) = run(&["bench", "-m", Q4, "--backend", "cpu", "--prompt", "8", "--gen", "2", "--runs", "1", "--no-fuse=norm_add"]);
     assert!(ok, "{err}");
 }
+
+/// The default dump shows the phases the runtime runs: one for a decode step, two for a
+/// prefill.
+#[test]
+fn graph_dumps_show_the_phases_that_run() {
+    let (ok, out, err) = run(&["graph", Q4, "--max-context", "64"]);
+    assert!(ok && out.lines().filter(|l| l.starts_with("# phase ")).count() == 1, "{out}{err}");
+    let (ok, out, _) = run(&["graph", Q4, "--max-context", "64", "--tokens", "8"]);
+    assert!(ok && out.lines().filter(|l| l.starts_with("# phase ")).count() == 2, "{out}");
+    let (ok, out, _) = run(&["graph", Q4, "--max-context", "64", "--phases", "two"]);
+    assert!(ok && out.lines().filter(|l| l.starts_with("# phase ")).count() == 2, "{out}");
+}
+
+/// A config value beyond what markbase takes names its field and the limit, once prefixed
+/// with the file's path.
+#[test]
+fn oversized_config_values_name_the_field_and_the_limit() {
+    for (field, value, want) in [
+        ("num_hidden_layers", "1000000", "field `num_hidden_layers`: 1000000 exceeds the largest value markbase accepts, 4096"),
+        ("hidden_size", "1000000000000000", "field `hidden_size`: 1000000000000000 is beyond any model"),
+        ("vocab_size", "-3", "field `vocab_size`: expected a non-negative integer, got -3"),
+    ] {
+        let dir = fixture_copy(&format!("oversized-{field}"), |d| {
+            let p = d.join("config.json");
+            let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            c[field] = serde_json::from_str(value).unwrap();
+            std::fs::write(&p, c.to_string()).unwrap();
+        });
+        for args in [vec!["graph", dir.to_str().unwrap()], vec!["generate", "-m", dir.to_str().unwrap(), "--backend", "cpu", "-p", "hi"]] {
+            let e = fails_with(&args, want);
+            assert_eq!(e.matches("config.json").count(), 1, "{e}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -113,13 +113,13 @@ pub struct ModelConfig {
 /// A config that cannot be used, with the reason.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("config.json is not valid JSON: {0}")]
+    #[error("not valid JSON: {0}")]
     Json(String),
-    #[error("config.json: unknown model_type {0:?} (known: gemma3_text, gemma3, gemma4_text, gemma4, gemma3n)")]
+    #[error("unknown model_type {0:?} (known: gemma3_text, gemma3, gemma4_text, gemma4, gemma3n)")]
     UnknownModelType(String),
-    #[error("config.json: missing model_type")]
+    #[error("missing model_type")]
     MissingModelType,
-    #[error("config.json: field `{field}`: {msg}")]
+    #[error("field `{field}`: {msg}")]
     Field { field: String, msg: String },
 }
 
@@ -147,7 +147,8 @@ impl<'a> Fields<'a> {
             None => Ok(None),
             Some(v) => match v.as_u64() {
                 Some(x) if x <= (1 << 40) => Ok(Some(x as usize)),
-                _ => Err(field_err(&self.name(k), format!("expected a non-negative integer, got {v}"))),
+                Some(_) => Err(field_err(&self.name(k), format!("{v} is beyond any model (at most 2^40)"))),
+                None => Err(field_err(&self.name(k), format!("expected a non-negative integer, got {v}"))),
             },
         }
     }
@@ -544,8 +545,15 @@ impl ModelConfig {
         nz(self.head_dim, "head_dim")?;
         nz(self.vocab_size, "vocab_size")?;
         nz(self.sliding_window, "sliding_window")?;
-        if self.num_layers > 4096 || self.hidden_size > 1 << 20 || self.head_dim > 4096 || self.vocab_size > 1 << 24 {
-            return Err(field_err("hidden_size/num_hidden_layers/vocab_size", "absurdly large"));
+        for (v, name, limit) in [
+            (self.num_layers, "num_hidden_layers", 4096),
+            (self.hidden_size, "hidden_size", 1 << 20),
+            (self.head_dim, "head_dim", 4096),
+            (self.vocab_size, "vocab_size", 1 << 24),
+        ] {
+            if v > limit {
+                return Err(field_err(name, format!("{v} exceeds the largest value markbase accepts, {limit}")));
+            }
         }
         if self.num_heads % self.num_kv_heads != 0 {
             return Err(field_err("num_attention_heads", "must be a multiple of num_key_value_heads"));
