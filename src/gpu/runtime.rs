@@ -639,6 +639,13 @@ impl GpuExecutor {
         self.gpu.read_u32(&b, c.graph.node(n).ty.numel()).map_err(err)
     }
 
+    /// The contents of state `kind` (a KV cache) as f32 values, after the steps in flight.
+    pub fn read_state(&mut self, kind: &StateKind) -> Result<Vec<f32>, String> {
+        self.drain()?;
+        let b = self.states.get(kind).ok_or_else(|| format!("no state {kind:?}"))?.clone();
+        self.gpu.read_f32(&b, (b.size() / 4) as usize).map_err(err)
+    }
+
     fn make_queries(&self, p: &Prepared, level: Profile) -> Option<Queries> {
         let count = match level {
             Profile::Off => return None,
