@@ -250,8 +250,11 @@ pub struct Outcome {
     pub err: f64,
     pub bound: f64,
     pub failure: Option<String>,
-    /// Median GPU µs of the op and the bytes it moves (perf mode).
+    /// Median GPU µs of the op and how it was timed (perf mode).
     pub perf: Option<(f64, &'static str)>,
+    /// Bytes the op reads and writes, and its floating-point operations.
+    pub bytes: f64,
+    pub flops: f64,
 }
 
 fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<'a> {
@@ -338,7 +341,7 @@ fn time_op(c: &Case, ex: &mut GpuExecutor, main: &Compiled) -> Result<(f64, &'st
 }
 
 fn run_case(c: &Case, shared: &GpuShared, perf: bool, poison: bool) -> Outcome {
-    let mut o = Outcome { op: c.op, desc: format!("{} seed {}", c.desc, c.seed), err: 0.0, bound: 0.0, failure: None, perf: None };
+    let mut o = Outcome { op: c.op, desc: format!("{} seed {}", c.desc, c.seed), err: 0.0, bound: 0.0, failure: None, perf: None, bytes: op_bytes(&c.graph, c.node), flops: c.flops };
     let fail = |o: &mut Outcome, m: String| o.failure = Some(m);
     let compiled = |g: &Graph| compile(g.clone(), PhasePolicy::Step).map_err(|e| e.to_string());
     let main = match compiled(&c.graph) {
@@ -442,9 +445,4 @@ pub fn run_all(cases: &[Case], perf: bool) -> (Vec<Outcome>, String) {
         })
         .collect();
     (outcomes, adapter)
-}
-
-/// Bytes and flops of a case's op (for the perf table).
-pub fn work(c: &Case) -> (f64, f64) {
-    (op_bytes(&c.graph, c.node), c.flops)
 }
