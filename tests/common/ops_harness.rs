@@ -54,7 +54,8 @@ pub struct Case {
     pub sampling: [u32; 8],
     pub recent: Vec<u32>,
     pub check: Check,
-    pub read: Read,
+    /// What is compared (each with `check`).
+    pub reads: Vec<Read>,
     /// Weights uploaded in small chunks.
     pub chunked: bool,
     /// Floating-point operations of the op (0: a bandwidth-bound op).
@@ -63,7 +64,19 @@ pub struct Case {
 
 /// Stored bytes per matrix chunk on the chunked device: small enough to split every matrix
 /// of the chunked cases into several chunks, large enough for one expert of their stacks.
-pub const CHUNK_BYTES: u64 = 4096;
+pub const CHUNK_BYTES: u64 = 3072;
+
+/// Chunks a matrix is uploaded in on the chunked device (the upload's rule: whole rows, or
+/// whole experts of a stack, per chunk of at most [`CHUNK_BYTES`]).
+pub fn chunk_count(w: &WeightData) -> usize {
+    let fmt = markbase::gpu::weights::gpu_format(w).unwrap_or_else(|e| panic!("{e}"));
+    let shape = &w.param.shape;
+    let (a, b, c) = fmt.row_bytes(*shape.last().unwrap());
+    let unit = if shape.len() == 3 { shape[1] } else { 1 };
+    let units = shape[..shape.len() - 1].iter().product::<usize>() / unit;
+    let per_chunk = (CHUNK_BYTES as usize / (a.max(b + c) * unit)).max(1);
+    units.div_ceil(per_chunk)
+}
 
 /// Builds one case's graph: token and position inputs, random weights named after the case.
 pub struct B {
@@ -264,7 +277,7 @@ fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<
 const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false };
 const MAIN: GraphKey = GraphKey { tokens: 0, all_logits: false, sample: false };
 
-fn cpu_run(c: &Case, main: &Compiled, prelude: Option<&Compiled>) -> Result<Got, String> {
+fn cpu_run(c: &Case, main: &Compiled, prelude: Option<&Compiled>) -> Result<Vec<Got>, String> {
     let mut ws = Weights::default();
     c.weights.iter().for_each(|w| ws.insert(w.clone()));
     let mut w = CpuWeights::new(Arc::new(ws));
@@ -273,30 +286,39 @@ fn cpu_run(c: &Case, main: &Compiled, prelude: Option<&Compiled>) -> Result<Got,
         exec::run(p, &mut w, &mut st, &step(t, pos, c))?;
     }
     let outs = exec::run(main, &mut w, &mut st, &step(&c.tokens, &c.positions, c))?;
-    Ok(match &c.read {
-        Read::Out => match outs.get("out").ok_or("no output out")? {
-            Val::F(v) => Got::F(v.to_vec()),
-            Val::U(v) => Got::U(v.to_vec()),
-        },
-        Read::State(k) => Got::F(st.caches.get(k).ok_or("state not written")?.clone()),
-    })
+    c.reads
+        .iter()
+        .map(|r| {
+            Ok(match r {
+                Read::Out => match outs.get("out").ok_or("no output out")? {
+                    Val::F(v) => Got::F(v.to_vec()),
+                    Val::U(v) => Got::U(v.to_vec()),
+                },
+                Read::State(k) => Got::F(st.caches.get(k).ok_or("state not written")?.clone()),
+            })
+        })
+        .collect()
 }
 
-fn gpu_run(c: &Case, ex: &mut GpuExecutor, main: &Compiled, prelude: Option<&Compiled>) -> Result<Got, String> {
+fn gpu_run(c: &Case, ex: &mut GpuExecutor, main: &Compiled, prelude: Option<&Compiled>) -> Result<Vec<Got>, String> {
     if let (Some(p), Some((_, t, pos))) = (prelude, &c.prelude) {
         ex.run(PRELUDE, p, &step(t, pos, c), false)?;
     }
     ex.run(MAIN, main, &step(&c.tokens, &c.positions, c), false)?;
-    Ok(match &c.read {
-        Read::Out => {
-            let words = ex.read_output(MAIN, main, "out")?;
-            match main.graph.node(main.graph.output("out").unwrap()).ty.dtype {
-                DType::F32 => Got::F(words.iter().map(|w| f32::from_bits(*w)).collect()),
-                DType::U32 => Got::U(words),
+    let mut got = vec![];
+    for r in &c.reads {
+        got.push(match r {
+            Read::Out => {
+                let words = ex.read_output(MAIN, main, "out")?;
+                match main.graph.node(main.graph.output("out").unwrap()).ty.dtype {
+                    DType::F32 => Got::F(words.iter().map(|w| f32::from_bits(*w)).collect()),
+                    DType::U32 => Got::U(words),
+                }
             }
-        }
-        Read::State(k) => Got::F(ex.read_state(k)?),
-    })
+            Read::State(k) => Got::F(ex.read_state(k)?),
+        });
+    }
+    Ok(got)
 }
 
 /// Bytes the op reads and writes: its inputs (weights as stored) and its output (a cache
@@ -340,6 +362,43 @@ fn time_op(c: &Case, ex: &mut GpuExecutor, main: &Compiled) -> Result<(f64, &'st
     Ok((times[times.len() / 2] * 1e6, if per_kernel { "timestamps" } else { "wall clock of the step" }))
 }
 
+/// The error of `got` against `want` under `check`, and what is wrong where it fails.
+/// `poison`: the reference perturbed first (`MARKBASE_OPS_POISON=1`: every case must fail).
+fn compare(got: Got, want: Got, check: Check, poison: bool) -> (f64, Option<String>) {
+    let want = match want {
+        Got::F(mut v) if poison => {
+            let i = v.len() / 2;
+            v[i] += 0.5 * v.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+            Got::F(v)
+        }
+        Got::U(mut v) if poison => {
+            v[0] ^= 1;
+            Got::U(v)
+        }
+        w => w,
+    };
+    match (&got, &want, check) {
+        (Got::F(g), Got::F(w), Check::Nmse(bound)) => {
+            let err = nmse(g, w);
+            if err <= bound {
+                return (err, None);
+            }
+            let worst = g.iter().zip(w).enumerate().max_by(|a, b| ((a.1 .0 - a.1 .1).abs()).total_cmp(&(b.1 .0 - b.1 .1).abs()));
+            let at = worst.map_or(String::new(), |(i, (g, w))| format!("; worst at {i}: gpu {g} cpu {w}"));
+            (err, Some(format!("NMSE {err:.3e} > bound {bound:.0e} ({} values{at})", w.len())))
+        }
+        (Got::U(g), Got::U(w), Check::Exact) => {
+            let err = if g.len() != w.len() { f64::INFINITY } else { g.iter().zip(w).filter(|(a, b)| a != b).count() as f64 };
+            if err == 0.0 {
+                return (0.0, None);
+            }
+            let show = |v: &[u32]| format!("{:?}", &v[..v.len().min(24)]);
+            (err, Some(format!("{err} of {} words differ: gpu {} cpu {}", w.len(), show(g), show(w))))
+        }
+        _ => (f64::INFINITY, Some("output kind does not match the check".into())),
+    }
+}
+
 fn run_case(c: &Case, shared: &GpuShared, perf: bool, poison: bool) -> Outcome {
     let mut o = Outcome { op: c.op, desc: format!("{} seed {}", c.desc, c.seed), err: 0.0, bound: 0.0, failure: None, perf: None, bytes: op_bytes(&c.graph, c.node), flops: c.flops };
     let fail = |o: &mut Outcome, m: String| o.failure = Some(m);
@@ -373,39 +432,19 @@ fn run_case(c: &Case, shared: &GpuShared, perf: bool, poison: bool) -> Outcome {
             return o;
         }
     };
-    // MARKBASE_OPS_POISON=1: the reference perturbed, to see every case fail
-    let want = match want {
-        Got::F(mut v) if poison => {
-            let i = v.len() / 2;
-            v[i] += 0.5 * v.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
-            Got::F(v)
+    for ((r, g), w) in c.reads.iter().zip(got).zip(want) {
+        let what = match r {
+            Read::Out => String::new(),
+            Read::State(k) => format!("{k:?}: "),
+        };
+        let (err, msg) = compare(g, w, c.check, poison);
+        o.err = o.err.max(err);
+        if let Some(m) = msg {
+            fail(&mut o, format!("{what}{m}"));
         }
-        Got::U(mut v) if poison => {
-            v[0] ^= 1;
-            Got::U(v)
-        }
-        w => w,
-    };
-    match (&got, &want, c.check) {
-        (Got::F(g), Got::F(w), Check::Nmse(bound)) => {
-            o.err = nmse(g, w);
-            o.bound = bound;
-            if !(o.err <= bound) {
-                let worst = g.iter().zip(w).enumerate().max_by(|a, b| ((a.1 .0 - a.1 .1).abs()).total_cmp(&(b.1 .0 - b.1 .1).abs()));
-                let at = worst.map_or(String::new(), |(i, (g, w))| format!("; worst at {i}: gpu {g} cpu {w}"));
-                let m = format!("NMSE {:.3e} > bound {bound:.0e} ({} values{at})", o.err, w.len());
-                fail(&mut o, m);
-            }
-        }
-        (Got::U(g), Got::U(w), Check::Exact) => {
-            o.err = if g.len() != w.len() { f64::INFINITY } else { g.iter().zip(w).filter(|(a, b)| a != b).count() as f64 };
-            if o.err != 0.0 {
-                let show = |v: &[u32]| format!("{:?}", &v[..v.len().min(24)]);
-                let m = format!("{} of {} words differ: gpu {} cpu {}", o.err, w.len(), show(g), show(w));
-                fail(&mut o, m);
-            }
-        }
-        _ => fail(&mut o, "output kind does not match the check".into()),
+    }
+    if let Check::Nmse(b) = c.check {
+        o.bound = b;
     }
     if perf && o.failure.is_none() {
         match time_op(c, &mut ex, &main) {
