@@ -268,6 +268,8 @@ pub struct Outcome {
     /// Bytes the op reads and writes, and its floating-point operations.
     pub bytes: f64,
     pub flops: f64,
+    /// The kernels of the op's dispatches on the GPU.
+    pub kernels: Vec<String>,
 }
 
 fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<'a> {
@@ -400,7 +402,7 @@ fn compare(got: Got, want: Got, check: Check, poison: bool) -> (f64, Option<Stri
 }
 
 fn run_case(c: &Case, shared: &GpuShared, perf: bool, poison: bool) -> Outcome {
-    let mut o = Outcome { op: c.op, desc: format!("{} seed {}", c.desc, c.seed), err: 0.0, bound: 0.0, failure: None, perf: None, bytes: op_bytes(&c.graph, c.node), flops: c.flops };
+    let mut o = Outcome { op: c.op, desc: format!("{} seed {}", c.desc, c.seed), err: 0.0, bound: 0.0, failure: None, perf: None, bytes: op_bytes(&c.graph, c.node), flops: c.flops, kernels: vec![] };
     let fail = |o: &mut Outcome, m: String| o.failure = Some(m);
     let compiled = |g: &Graph| compile(g.clone(), PhasePolicy::Step).map_err(|e| e.to_string());
     let main = match compiled(&c.graph) {
@@ -432,6 +434,9 @@ fn run_case(c: &Case, shared: &GpuShared, perf: bool, poison: bool) -> Outcome {
             return o;
         }
     };
+    let mut kernels: Vec<String> = ex.dispatch_kernels(MAIN).unwrap_or_default().into_iter().filter(|d| d.0 == c.node).map(|d| d.1).collect();
+    kernels.dedup();
+    o.kernels = kernels;
     for ((r, g), w) in c.reads.iter().zip(got).zip(want) {
         let what = match r {
             Read::Out => String::new(),
@@ -478,7 +483,7 @@ pub fn run_all(cases: &[Case], perf: bool) -> (Vec<Outcome>, String) {
             let t = std::time::Instant::now();
             let o = run_case(c, &shared[&c.chunked], perf, poison);
             if std::env::var("MARKBASE_OPS_VERBOSE").is_ok_and(|v| v == "1") {
-                println!("{:>8.1} ms  {} {}", t.elapsed().as_secs_f64() * 1e3, c.op, c.desc);
+                println!("{:>8.1} ms  {} {}: {}", t.elapsed().as_secs_f64() * 1e3, c.op, c.desc, o.kernels.join(", "));
             }
             o
         })
