@@ -485,24 +485,12 @@ fn matmuls(cs: &mut Cases) {
             if chunked && !matches!(fmt, WeightFormat::Quantized { .. }) && fmt != BF16 {
                 continue;
             }
-            cs.add("matmul", format!("{} x f32[{t}, {k}] w [{n}, {k}]", fmt_name(fmt)), t, MATMUL, |cx| {
-                let x = cx.b.act(&[t, k], 1.0);
-                let w = cx.b.weight("w", &[n, k], fmt, true);
-                cx.chunked = chunked;
-                cx.flops = 2.0 * (t * n * k) as f64;
-                (cx.b.op(Op::MatMul, &[x, w]), x)
-            });
+            matmul(cs, "", fmt, (t, n, k), chunked);
         }
     }
     // a GEMM split over K (few tiles, long rows) and one of several tiles each way
     for (t, n, k) in [(11usize, 45usize, 1024usize), (70, 131, 320)] {
-        let fmt = quant(QuantMode::Affine, 4, 64, false);
-        cs.add("matmul", format!("{} x f32[{t}, {k}] w [{n}, {k}]", fmt_name(fmt)), t, MATMUL, |cx| {
-            let x = cx.b.act(&[t, k], 1.0);
-            let w = cx.b.weight("w", &[n, k], fmt, true);
-            cx.flops = 2.0 * (t * n * k) as f64;
-            (cx.b.op(Op::MatMul, &[x, w]), x)
-        });
+        matmul(cs, "", quant(QuantMode::Affine, 4, 64, false), (t, n, k), false);
     }
     // one-token fused norm + matmul: one weight, and q/k/v side by side
     let fmts = [(BF16, 45usize), (quant(QuantMode::Affine, 4, 64, false), 320), (quant(QuantMode::Affine, 8, 32, false), 224), (quant(QuantMode::Mxfp4, 4, 32, false), 224), (quant(QuantMode::Nvfp4, 4, 16, false), 208)];
@@ -571,26 +559,43 @@ fn routing(cs: &mut Cases) {
     // expert matmuls: gathered (x per token or per slot), grouped by expert
     let fmts = [(BF16, 45usize), (quant(QuantMode::Affine, 4, 64, false), 320), (quant(QuantMode::Mxfp4, 4, 32, false), 224), (quant(QuantMode::Nvfp4, 4, 16, true), 208)];
     for (fmt, k) in fmts {
-        let (e, n) = (5usize, 19usize);
         for (t, s, per_slot, grouped, chunked) in [(1usize, 2usize, false, false, false), (3, 2, true, false, true), (9, 2, false, true, false), (10, 3, true, true, true)] {
-            let op = if grouped { "grouped_matmul" } else { "gather_matmul" };
-            let desc = format!("{} x f32[{t}{}, {k}] ids [{t}, {s}] w [{e}, {n}, {k}]", fmt_name(fmt), if per_slot { format!(", {s}") } else { String::new() });
-            cs.add(op, desc, t, MATMUL, |cx| {
-                let l = cx.b.logits(e, 3.0);
-                let ids = cx.b.op(Op::TopK { k: s }, &[l]);
-                let x = if per_slot { cx.b.act(&[t, s, k], 1.0) } else { cx.b.act(&[t, k], 1.0) };
-                let w = cx.b.weight("experts", &[e, n, k], fmt, true);
-                cx.chunked = chunked;
-                cx.flops = 2.0 * (t * s * n * k) as f64;
-                if grouped {
-                    let groups = cx.b.op(Op::MoeGroup { experts: e }, &[ids]);
-                    (cx.b.op(Op::GroupedMatMul, &[x, ids, w, groups]), l)
-                } else {
-                    (cx.b.op(Op::GatherMatMul, &[x, ids, w]), l)
-                }
-            });
+            expert_matmul(cs, "", fmt, (5, 19, k), (t, s), per_slot, grouped, chunked);
         }
     }
+}
+
+/// A gathered (or, `grouped`, grouped by expert) matmul of `t` tokens routed to `s` of the
+/// `e` experts `[n, k]` of format `fmt`; x per token, or per slot.
+#[allow(clippy::too_many_arguments)]
+fn expert_matmul(cs: &mut Cases, prefix: &str, fmt: WeightFormat, (e, n, k): (usize, usize, usize), (t, s): (usize, usize), per_slot: bool, grouped: bool, chunked: bool) {
+    let op = if grouped { "grouped_matmul" } else { "gather_matmul" };
+    let desc = format!("{prefix}{} x f32[{t}{}, {k}] ids [{t}, {s}] w [{e}, {n}, {k}]", fmt_name(fmt), if per_slot { format!(", {s}") } else { String::new() });
+    cs.add(op, desc, t, MATMUL, |cx| {
+        let l = cx.b.logits(e, 3.0);
+        let ids = cx.b.op(Op::TopK { k: s }, &[l]);
+        let x = if per_slot { cx.b.act(&[t, s, k], 1.0) } else { cx.b.act(&[t, k], 1.0) };
+        let w = cx.b.weight("experts", &[e, n, k], fmt, true);
+        cx.chunked = chunked;
+        cx.flops = 2.0 * (t * s * n * k) as f64;
+        if grouped {
+            let groups = cx.b.op(Op::MoeGroup { experts: e }, &[ids]);
+            (cx.b.op(Op::GroupedMatMul, &[x, ids, w, groups]), l)
+        } else {
+            (cx.b.op(Op::GatherMatMul, &[x, ids, w]), l)
+        }
+    });
+}
+
+/// A matmul of `t` tokens by a weight `[n, k]` of format `fmt`.
+fn matmul(cs: &mut Cases, prefix: &str, fmt: WeightFormat, (t, n, k): (usize, usize, usize), chunked: bool) {
+    cs.add("matmul", format!("{prefix}{} x f32[{t}, {k}] w [{n}, {k}]", fmt_name(fmt)), t, MATMUL, |cx| {
+        let x = cx.b.act(&[t, k], 1.0);
+        let w = cx.b.weight("w", &[n, k], fmt, true);
+        cx.chunked = chunked;
+        cx.flops = 2.0 * (t * n * k) as f64;
+        (cx.b.op(Op::MatMul, &[x, w]), x)
+    });
 }
 
 fn sampling(cs: &mut Cases) {
@@ -624,13 +629,8 @@ fn sampling(cs: &mut Cases) {
 /// Model-sized cases for the perf mode (Gemma-like widths; checked as the others are).
 fn perf_cases(cs: &mut Cases) {
     let q4 = quant(QuantMode::Affine, 4, 64, false);
-    for (fmt, t, n, k) in [(q4, 1usize, 4096usize, 4096usize), (q4, 128, 4096, 4096), (BF16, 1, 4096, 4096), (quant(QuantMode::Mxfp4, 4, 32, false), 1, 4096, 4096)] {
-        cs.add("matmul", format!("perf {} x f32[{t}, {k}] w [{n}, {k}]", fmt_name(fmt)), t, MATMUL, |cx| {
-            let x = cx.b.act(&[t, k], 1.0);
-            let w = cx.b.weight("w", &[n, k], fmt, true);
-            cx.flops = 2.0 * (t * n * k) as f64;
-            (cx.b.op(Op::MatMul, &[x, w]), x)
-        });
+    for (fmt, t) in [(q4, 1usize), (q4, 128), (BF16, 1), (quant(QuantMode::Mxfp4, 4, 32, false), 1)] {
+        matmul(cs, "perf ", fmt, (t, 4096, 4096), false);
     }
     let k = 2560;
     cs.add("norm_matmul", format!("perf {} x f32[1, {k}] q/k/v [2048, 512, 512]", fmt_name(q4)), 1, MATMUL, |cx| {
@@ -650,21 +650,7 @@ fn perf_cases(cs: &mut Cases) {
         (cx.b.op(Op::NormGeGlu { eps: 1e-6, scale: NormScale::W }, &[x, nw, g, u]), x)
     });
     for (t, grouped) in [(1usize, false), (64, true)] {
-        let (e, s, n, k) = (32usize, 8usize, 704usize, 2816usize);
-        let op = if grouped { "grouped_matmul" } else { "gather_matmul" };
-        cs.add(op, format!("perf {} x f32[{t}, {k}] ids [{t}, {s}] w [{e}, {n}, {k}]", fmt_name(q4)), t, MATMUL, |cx| {
-            let l = cx.b.logits(e, 3.0);
-            let ids = cx.b.op(Op::TopK { k: s }, &[l]);
-            let x = cx.b.act(&[t, k], 1.0);
-            let w = cx.b.weight("experts", &[e, n, k], q4, true);
-            cx.flops = 2.0 * (t * s * n * k) as f64;
-            if grouped {
-                let groups = cx.b.op(Op::MoeGroup { experts: e }, &[ids]);
-                (cx.b.op(Op::GroupedMatMul, &[x, ids, w, groups]), l)
-            } else {
-                (cx.b.op(Op::GatherMatMul, &[x, ids, w]), l)
-            }
-        });
+        expert_matmul(cs, "perf ", q4, (32, 704, 2816), (t, 8), false, grouped, false);
     }
     for (t, slots) in [(1usize, 4096usize), (64, 512)] {
         let (nq, nkv, d) = (8usize, 2usize, 256usize);
