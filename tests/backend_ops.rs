@@ -214,6 +214,7 @@ fn matrix_formats() -> Vec<(WeightFormat, usize)> {
         (quant(QuantMode::Affine, 8, 32, false), 224),
         (quant(QuantMode::Affine, 3, 64, false), 192),
         (quant(QuantMode::Mxfp4, 4, 32, false), 224),
+        (quant(QuantMode::Mxfp8, 8, 32, false), 96),
         (quant(QuantMode::Nvfp4, 4, 16, false), 208),
         (quant(QuantMode::Nvfp4, 4, 16, true), 208),
     ]
@@ -425,6 +426,9 @@ fn attention(cs: &mut Cases) {
         (1, 4, 1, 64, 96, None, 90),
         (1, 2, 2, 32, 8, Some(8usize), 20),
         (5, 6, 3, 48, 12, Some(7), 9),
+        // Gemma's head dims: 256 (split decode), 512 (the largest the kernel takes)
+        (1, 2, 1, 256, 40, None, 39),
+        (3, 2, 1, 512, 8, None, 5),
     ] {
         let desc = format!("q f32[{t}, {nq}, {d}] kv [{slots}, {nkv}, {d}] window {window:?} pos {pos0}..");
         cs.add("attention", desc, t, ATTENTION, |cx| {

@@ -208,6 +208,10 @@ fn weight_data(p: &WeightParam, seed: u64, one_plus_w: bool, r: &mut StdRng) -> 
             w.param.format = p.format;
         }
         WeightFormat::Quantized { spec, .. } => {
+            if spec.mode == QuantMode::Mxfp8 {
+                // no NaN codes (e4m3 0x7f / 0xff)
+                w.weight.bytes.iter_mut().filter(|b| **b & 0x7f == 0x7f).for_each(|b| *b &= 0xfe);
+            }
             if let Some(s) = w.scales.as_mut().filter(|_| spec.mode != QuantMode::Affine) {
                 let (lo, hi) = if spec.mode == QuantMode::Nvfp4 { (0x18u8, 0x48u8) } else { (118, 132) };
                 // e8m0 around 2^-9..2^4 scaled to the row length; e4m3 from 2^-4 to about 2^1
