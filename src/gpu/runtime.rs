@@ -97,7 +97,17 @@ impl GpuShared {
     /// As [`GpuShared::new`] on an opened device; `max_chunk_bytes` forces
     /// small weight chunks (tests of the chunked path).
     pub fn with_gpu(gpu: Gpu, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
-        let kernels = Kernels::for_gpu(&gpu).map_err(err)?;
+        let kernels = Arc::new(Kernels::for_gpu(&gpu).map_err(err)?);
+        Self::upload(Arc::new(gpu), kernels, weights, check_nan, max_chunk_bytes)
+    }
+
+    /// Other weights on the same device and kernel cache (tests holding one model's weights
+    /// whole and another's in small chunks, without building the kernels twice).
+    pub fn with_weights(&self, weights: &Weights, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
+        Self::upload(self.gpu.clone(), self.kernels.clone(), weights, self.check_nan, max_chunk_bytes)
+    }
+
+    fn upload(gpu: Arc<Gpu>, kernels: Arc<Kernels>, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
         let mut mats = HashMap::new();
         let mut vecs = HashMap::new();
         for (name, w) in &weights.map {
@@ -107,7 +117,7 @@ impl GpuShared {
                 vecs.insert(name.clone(), upload_vector(&gpu, &w.weight, name).map_err(err)?);
             }
         }
-        Ok(GpuShared { gpu: Arc::new(gpu), kernels: Arc::new(kernels), mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan })
+        Ok(GpuShared { gpu, kernels, mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan })
     }
 }
 

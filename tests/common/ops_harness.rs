@@ -471,16 +471,17 @@ pub fn run_all(cases: &[Case], perf: bool) -> (Vec<Outcome>, String) {
     let filter = std::env::var("MARKBASE_OPS_FILTER").ok().filter(|f| !f.is_empty());
     let chosen: Vec<&Case> =
         cases.iter().filter(|c| filter.as_ref().is_none_or(|f| c.op.contains(f.as_str()) || c.desc.contains(f.as_str()))).collect();
-    let mut shared: HashMap<bool, GpuShared> = HashMap::new();
-    let mut adapter = String::new();
-    for chunked in [false, true] {
+    let weights = |chunked: bool| {
         let mut ws = Weights::default();
         chosen.iter().filter(|c| c.chunked == chunked).flat_map(|c| &c.weights).for_each(|w| ws.insert(w.clone()));
-        let gpu = Gpu::new().unwrap_or_else(|e| panic!("the op harness needs a GPU adapter: {e}"));
-        adapter = gpu.info.summary();
-        let s = GpuShared::with_gpu(gpu, &ws, false, chunked.then_some(CHUNK_BYTES)).unwrap_or_else(|e| panic!("upload: {e}"));
-        shared.insert(chunked, s);
-    }
+        ws
+    };
+    let gpu = Gpu::new().unwrap_or_else(|e| panic!("the op harness needs a GPU adapter: {e}"));
+    let adapter = gpu.info.summary();
+    let whole = GpuShared::with_gpu(gpu, &weights(false), false, None).unwrap_or_else(|e| panic!("upload: {e}"));
+    // the chunked cases' weights on the same device, with its kernels
+    let chunked = whole.with_weights(&weights(true), Some(CHUNK_BYTES)).unwrap_or_else(|e| panic!("upload: {e}"));
+    let shared: HashMap<bool, GpuShared> = [(false, whole), (true, chunked)].into();
     let outcomes = chosen
         .iter()
         .map(|c| {
