@@ -121,6 +121,8 @@ struct Ctx {
     flops: f64,
     chunked: bool,
     prelude: Option<(Graph, Vec<u32>, Vec<u32>)>,
+    /// The dtype of the case's vector weights (norm weights, scales), by turns.
+    vec: WeightFormat,
 }
 
 struct Cases {
@@ -146,11 +148,18 @@ impl Cases {
             flops: 0.0,
             chunked: false,
             prelude: None,
+            vec: [BF16, F16, F32][i % 3],
         };
         let (node, aux) = f(&mut cx);
         let got = cx.b.g.node(node).op().map(|o| o.name());
         assert_eq!(got, Some(op), "case {i} ({desc}) tests {got:?}");
+        let vec = cx.vec;
         let (graph, weights) = cx.b.finish(node, aux);
+        let desc = if graph.inputs(node).iter().any(|&i| graph.node(i).weight().is_some_and(|p| !p.module && p.format == vec)) {
+            format!("{desc} vectors {}", fmt_name(vec))
+        } else {
+            desc
+        };
         let desc = if cx.chunked {
             // the op's matrices, as the chunked device holds them
             let g = &graph;
@@ -372,9 +381,9 @@ fn norms(cs: &mut Cases) {
             let x = cx.b.act(&[t, d], 3.0);
             let r = cx.b.act(&[t, d], 1.0);
             let mut ins = vec![x, r];
-            ins.extend(norm_weight(&mut cx.b, scale, d, BF16));
+            ins.extend(norm_weight(&mut cx.b, scale, d, cx.vec));
             if scaled {
-                ins.push(cx.b.weight("scalar", &[1], BF16, false));
+                ins.push(cx.b.weight("scalar", &[1], cx.vec, false));
             }
             (cx.b.op(Op::RmsNormAdd { eps: 1e-6, scale, scaled }, &ins), x)
         });
@@ -399,7 +408,7 @@ fn rope(cs: &mut Cases) {
             let x = cx.b.act(&[t, xh, d], 2.0);
             cx.positions = (100..100 + t as u32).collect();
             let mut ins = vec![x, cx.b.positions];
-            ins.extend(norm_weight(&mut cx.b, scale, d, BF16));
+            ins.extend(norm_weight(&mut cx.b, scale, d, cx.vec));
             let op = Op::NormRope { eps: 1e-6, scale, theta: 10_000.0, factor: 1.0, rotary_pairs: d / 2, heads };
             (cx.b.op(op, &ins), x)
         });
@@ -410,7 +419,7 @@ fn rope(cs: &mut Cases) {
             let x = cx.b.act(&[t, xh, d], 2.0);
             cx.positions = (pos0..pos0 + t as u32).collect();
             let mut ins = vec![x, cx.b.positions];
-            ins.extend(norm_weight(&mut cx.b, scale, d, BF16));
+            ins.extend(norm_weight(&mut cx.b, scale, d, cx.vec));
             ins.push(cx.b.cache(0, false, &[slots, 2, d]));
             cx.reads = vec![Read::State(StateKind::KvCache { layer: 0, value: false })];
             let op = Op::KvWriteNormRope { eps: 1e-6, scale, theta: 10_000.0, factor: 1.0, rotary_pairs: d / 4, heads };
@@ -459,7 +468,7 @@ fn attention(cs: &mut Cases) {
             let mut ins = vec![x, cx.b.positions, k, v];
             let nw = if append { 2 } else { 1 };
             for _ in 0..nw {
-                ins.extend(norm_weight(&mut cx.b, norm, d, BF16));
+                ins.extend(norm_weight(&mut cx.b, norm, d, cx.vec));
             }
             if append {
                 // the step's key and value rows written into the caches, too
@@ -503,7 +512,7 @@ fn matmuls(cs: &mut Cases) {
             cs.add("norm_matmul", format!("{} x f32[1, {k}] w {ns:?} x {k} {scale:?}", fmt_name(fmt)), 1, MATMUL, |cx| {
                 let x = cx.b.act(&[1, k], 3.0);
                 let mut ins = vec![x];
-                ins.extend(norm_weight(&mut cx.b, scale, k, BF16));
+                ins.extend(norm_weight(&mut cx.b, scale, k, cx.vec));
                 for &n in &ns {
                     ins.push(cx.b.weight("w", &[n, k], fmt, true));
                 }
@@ -517,7 +526,7 @@ fn matmuls(cs: &mut Cases) {
             cs.add("norm_geglu", format!("{} x f32[1, {k}] w 2 x [{n}, {k}] {scale:?}", fmt_name(fmt)), 1, MATMUL, |cx| {
                 let x = cx.b.act(&[1, k], 3.0);
                 let mut ins = vec![x];
-                ins.extend(norm_weight(&mut cx.b, scale, k, BF16));
+                ins.extend(norm_weight(&mut cx.b, scale, k, cx.vec));
                 ins.push(cx.b.weight("wg", &[n, k], fmt, true));
                 ins.push(cx.b.weight("wu", &[n, k], fmt, true));
                 cx.chunked = chunked;
@@ -540,7 +549,7 @@ fn routing(cs: &mut Cases) {
                 let ids = cx.b.op(Op::TopK { k }, &[l]);
                 let mut ins = vec![l, ids];
                 if scaled {
-                    ins.push(cx.b.weight("scale", &[e], BF16, false));
+                    ins.push(cx.b.weight("scale", &[e], cx.vec, false));
                 }
                 (cx.b.op(Op::TopKSoftmax, &ins), l)
             });
