@@ -87,7 +87,17 @@ impl GpuShared {
     /// As [`GpuShared::new`] on an opened device; `max_chunk_bytes` forces
     /// small weight chunks (tests of the chunked path).
     pub fn with_gpu(gpu: Gpu, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
-        let kernels = Kernels::for_gpu(&gpu).map_err(err)?;
+        let kernels = Arc::new(Kernels::for_gpu(&gpu).map_err(err)?);
+        Self::upload(Arc::new(gpu), kernels, weights, check_nan, max_chunk_bytes)
+    }
+
+    /// Other weights on the same device and kernel cache (tests holding one model's weights
+    /// whole and another's in small chunks, without building the kernels twice).
+    pub fn with_weights(&self, weights: &Weights, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
+        Self::upload(self.gpu.clone(), self.kernels.clone(), weights, self.check_nan, max_chunk_bytes)
+    }
+
+    fn upload(gpu: Arc<Gpu>, kernels: Arc<Kernels>, weights: &Weights, check_nan: bool, max_chunk_bytes: Option<u64>) -> Result<Self, String> {
         let mut mats = HashMap::new();
         let mut vecs = HashMap::new();
         for (name, w) in &weights.map {
@@ -97,7 +107,7 @@ impl GpuShared {
                 vecs.insert(name.clone(), upload_vector(&gpu, &w.weight, name).map_err(err)?);
             }
         }
-        Ok(GpuShared { gpu: Arc::new(gpu), kernels: Arc::new(kernels), mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan })
+        Ok(GpuShared { gpu, kernels, mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan })
     }
 }
 
@@ -251,6 +261,13 @@ impl GpuExecutor {
             s => return Err(format!("output {name} is not an intermediate value ({s:?})")),
         };
         self.gpu.read_u32(&b, c.graph.node(n).ty.numel()).map_err(err)
+    }
+
+    /// The contents of state `kind` (a KV cache) as f32 values, after the steps in flight.
+    pub fn read_state(&mut self, kind: &StateKind) -> Result<Vec<f32>, String> {
+        self.drain()?;
+        let b = self.states.get(kind).ok_or_else(|| format!("no state {kind:?}"))?.clone();
+        self.gpu.read_f32(&b, (b.size() / 4) as usize).map_err(err)
     }
 
     fn make_queries(&self, p: &Prepared, level: Profile) -> Option<Queries> {
