@@ -1029,7 +1029,7 @@ fn elementwise_geglu_binary_unary() {
     }
 
     // Unary
-    for f in [UnaryOp::Scale { factor: 0.37 }, UnaryOp::Gelu, UnaryOp::Softcap { cap: 3.0 }, UnaryOp::Tanh] {
+    for f in [UnaryOp::Scale { factor: 0.37 }, UnaryOp::Gelu, UnaryOp::Softcap { cap: 3.0 }] {
         let k = ks.unary().unwrap();
         let p = gpu.uniform("p", &ElementwiseParams::unary(f, n));
         let bg = k.bind_group(&gpu.device, &p, &ab, &out, None);
@@ -1104,7 +1104,7 @@ fn top_k_softmax_weighted_sum() {
 // ------------------------------------------------------------------ copy, argmax
 
 #[test]
-fn slice_and_concat() {
+fn slice() {
     let mut r = rng("copy");
     let e = env();
     let gpu = &e.gpu;
@@ -1125,23 +1125,6 @@ fn slice_and_concat() {
         cpu::slice(&x, &shape, axis, start, len, &mut want);
         assert_eq!(gpu.read_f32(&out, n).unwrap(), want, "slice axis {axis}");
     }
-    // concat of [3,2,5] and [3,4,5] (the first part of x reshaped) along axis 1
-    let a = randn(&mut r, 30, 1.0);
-    let b = randn(&mut r, 60, 1.0);
-    let out_shape = [3usize, 6, 5];
-    let (ab, bb) = (gpu.upload_f32("a", &a), gpu.upload_f32("b", &b));
-    let out = gpu.storage("out", 90 * 4);
-    let pa = CopyParams::concat_part(&out_shape, 1, 0, 2);
-    let pb = CopyParams::concat_part(&out_shape, 1, 2, 4);
-    let (ua, ub) = (gpu.uniform("pa", &pa), gpu.uniform("pb", &pb));
-    let (ga, gb) = (ck.bind_group(&gpu.device, &ua, &ab, &out), ck.bind_group(&gpu.device, &ub, &bb, &out));
-    run(gpu, |pass| {
-        ck.dispatch(pass, &ga, &pa);
-        ck.dispatch(pass, &gb, &pb);
-    });
-    let mut want = vec![0f32; 90];
-    cpu::concat(&[(&a, 2), (&b, 4)], &out_shape, 1, &mut want);
-    assert_eq!(gpu.read_f32(&out, 90).unwrap(), want, "concat");
 }
 
 #[test]

@@ -83,7 +83,6 @@ impl Bug {
             | Op::WeightedSum
             | Op::Reshape { .. }
             | Op::Slice { .. }
-            | Op::Concat { .. }
             | Op::Argmax
             | Op::Sample => false,
         }

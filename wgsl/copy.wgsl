@@ -1,8 +1,6 @@
-// Strided copy of 32-bit elements, for Slice and Concat:
+// Strided copy of 32-bit elements, for Slice:
 // dst[(o * dst_axis + dst_off + a) * inner + i] = src[(o * src_axis + src_off + a) * inner + i]
-// for o < outer, a < len, i < inner. Slice: src_axis = n, src_off = start, dst_axis = len,
-// dst_off = 0. Concat: one dispatch per part, src_axis = len = part size, src_off = 0,
-// dst_axis = total, dst_off = offset of the part.
+// for o < outer, a < len, i < inner: src_axis = n, src_off = start, dst_axis = len, dst_off = 0.
 //
 // Prelude consts: WG. Bindings: 0 params, 1 src, 2 dst.
 

@@ -92,7 +92,6 @@ pub enum UnaryOp {
     Gelu,
     /// `cap * tanh(x / cap)`.
     Softcap { cap: f32 },
-    Tanh,
 }
 
 /// The ops. Inputs are listed per variant as `[name: type]`.
@@ -187,8 +186,6 @@ pub enum Op {
     Reshape { shape: Vec<usize> },
     /// `[x: f32[.., N, ..]] -> f32[.., len, ..]`: `len` entries from `start` along `axis`.
     Slice { axis: usize, start: usize, len: usize },
-    /// `[a, b, ...] -> concatenation along axis`.
-    Concat { axis: usize },
     /// `[logits: f32[T, V]] -> u32[1]`: argmax of the last row.
     Argmax,
     /// `[logits: f32[T, V], params: u32[8], recent: u32[R]] -> u32[1]`: samples a token
@@ -263,14 +260,12 @@ impl Op {
             Op::Unary { f: UnaryOp::Scale { .. } } => "scale",
             Op::Unary { f: UnaryOp::Gelu } => "gelu",
             Op::Unary { f: UnaryOp::Softcap { .. } } => "softcap",
-            Op::Unary { f: UnaryOp::Tanh } => "tanh",
             Op::GeGlu => "geglu",
             Op::TopK { .. } => "top_k",
             Op::TopKSoftmax => "top_k_softmax",
             Op::WeightedSum => "weighted_sum",
             Op::Reshape { .. } => "reshape",
             Op::Slice { .. } => "slice",
-            Op::Concat { .. } => "concat",
             Op::Argmax => "argmax",
             Op::Sample => "sample",
         }
@@ -339,7 +334,6 @@ impl Op {
             Op::MoeGroup { experts } => format!("experts={experts}"),
             Op::Reshape { shape } => format!("shape={shape:?}"),
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
-            Op::Concat { axis } => format!("axis={axis}"),
             _ => String::new(),
         }
     }
@@ -640,27 +634,6 @@ impl Op {
                 let mut s = x.shape.clone();
                 s[*axis] = *len;
                 Ok(TensorType { shape: s, dtype: x.dtype })
-            }
-            Op::Concat { axis } => {
-                if inputs.is_empty() {
-                    return Err(err("no inputs".into()));
-                }
-                let a = inputs[0];
-                let mut s = a.shape.clone();
-                if *axis >= s.len() {
-                    return Err(err(format!("axis {axis} of {}", a.describe())));
-                }
-                s[*axis] = 0;
-                for t in inputs {
-                    let ok = t.dtype == a.dtype
-                        && t.shape.len() == a.shape.len()
-                        && (0..a.shape.len()).all(|d| d == *axis || t.shape[d] == a.shape[d]);
-                    if !ok {
-                        return Err(err(format!("{} vs {}", t.describe(), a.describe())));
-                    }
-                    s[*axis] += t.shape[*axis];
-                }
-                Ok(TensorType { shape: s, dtype: a.dtype })
             }
             Op::Argmax => {
                 need(1)?;

@@ -337,13 +337,6 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::slice(x.f(), &g.node(ins[0]).ty.shape, *axis, *start, *len, &mut out);
                         Val::F(Arc::new(out))
                     }
-                    Op::Concat { axis } => {
-                        let parts: Vec<Val> = ins.iter().map(|&i| get(&vals, i)).collect();
-                        let p: Vec<(&[f32], usize)> =
-                            parts.iter().zip(&ins).map(|(v, &i)| (v.f(), g.node(i).ty.shape[*axis])).collect();
-                        ops::concat(&p, &node.ty.shape, *axis, &mut out);
-                        Val::F(Arc::new(out))
-                    }
                     Op::Sample => {
                         let l = get(&vals, ins[0]);
                         let v = g.node(ins[0]).ty.shape[1];

@@ -21,7 +21,6 @@ pub fn unary(f: UnaryOp, x: &[f32], out: &mut [f32]) {
             UnaryOp::Scale { factor } => v * factor,
             UnaryOp::Gelu => gelu(v),
             UnaryOp::Softcap { cap } => softcap(v, cap),
-            UnaryOp::Tanh => v.clamp(-15.0, 15.0).tanh(),
         };
     }
 }
@@ -347,21 +346,6 @@ pub fn slice(x: &[f32], shape: &[usize], axis: usize, start: usize, len: usize, 
     for o in 0..outer {
         let src = &x[(o * n + start) * inner..(o * n + start + len) * inner];
         out[o * len * inner..(o + 1) * len * inner].copy_from_slice(src);
-    }
-}
-
-/// Concatenates along `axis`; `parts` are (data, size along axis).
-pub fn concat(parts: &[(&[f32], usize)], shape_out: &[usize], axis: usize, out: &mut [f32]) {
-    let outer: usize = shape_out[..axis].iter().product();
-    let inner: usize = shape_out[axis + 1..].iter().product();
-    let total = shape_out[axis];
-    let mut off = 0;
-    for (data, n) in parts {
-        for o in 0..outer {
-            let dst = (o * total + off) * inner;
-            out[dst..dst + n * inner].copy_from_slice(&data[o * n * inner..(o + 1) * n * inner]);
-        }
-        off += n;
     }
 }
 

@@ -1,4 +1,4 @@
-//! Slice and concat copies (`copy.wgsl`).
+//! Slice copies (`copy.wgsl`).
 
 use std::sync::Arc;
 
@@ -70,27 +70,12 @@ impl CopyParams {
             _pad: 0,
         }
     }
-    /// One part of a concat: the part (size `len` along `axis`) goes to offset `off` of the
-    /// output of shape `out_shape`.
-    pub fn concat_part(out_shape: &[usize], axis: usize, off: usize, len: usize) -> Self {
-        let (outer, inner) = Self::outer_inner(out_shape, axis);
-        CopyParams {
-            outer: outer as u32,
-            len: len as u32,
-            inner: inner as u32,
-            src_axis: len as u32,
-            src_off: 0,
-            dst_axis: out_shape[axis] as u32,
-            dst_off: off as u32,
-            _pad: 0,
-        }
-    }
     pub fn elements(&self) -> usize {
         self.outer as usize * self.len as usize * self.inner as usize
     }
 }
 
-/// Slice / concat copy of 32-bit elements. Bindings: 0 params, 1 src, 2 dst.
+/// Slice copy of 32-bit elements. Bindings: 0 params, 1 src, 2 dst.
 pub struct CopyKernel {
     pub kernel: Arc<Kernel>,
     maxg: u32,
@@ -118,18 +103,6 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let p = cx.uni(bytemuck::bytes_of(&cp));
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?);
             cx.push(k.kernel.clone(), bg, k.groups(&cp));
-        }
-        Op::Concat { axis } => {
-            let k = kernels.copy().map_err(cx.kerr())?;
-            let mut off = 0;
-            for i in cx.ins.clone() {
-                let len = cx.graph.node(i).ty.shape[*axis];
-                let cp = CopyParams::concat_part(&cx.node.ty.shape, *axis, off, len);
-                let p = cx.uni(bytemuck::bytes_of(&cp));
-                let bg = k.bind_group(dev, &p, &cx.buf(i)?, &cx.out()?);
-                cx.push(k.kernel.clone(), bg, k.groups(&cp));
-                off += len;
-            }
         }
         _ => return Err(cx.not_ours("copy")),
     }

@@ -223,7 +223,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Attention { .. } | Op::NormRopeAttention { .. } => attention::lower(cx),
         Op::Binary { .. } | Op::Unary { .. } | Op::GeGlu => elementwise::lower(cx),
         Op::MoeGroup { .. } | Op::TopK { .. } | Op::TopKSoftmax | Op::WeightedSum => routing::lower(cx),
-        Op::Slice { .. } | Op::Concat { .. } => copy::lower(cx),
+        Op::Slice { .. } => copy::lower(cx),
         Op::Argmax | Op::Sample => argmax::lower(cx),
     }
 }
