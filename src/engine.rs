@@ -118,7 +118,7 @@ impl Engine {
         let lo = LoadOptions { progress: opts.progress.as_deref() };
         let (weights, _report) = ck.load_weights_with(&probe, &lo)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
-            Some(Tokenizer::load(dir, ck.config().bos_token_id, &ck.config().eos_token_ids).map_err(Error::Load)?)
+            Some(Tokenizer::load(dir, ck.config().bos_token_id, &ck.config().eos_token_ids)?)
         } else {
             None
         };

@@ -145,7 +145,7 @@ impl Generation<'_> {
             return self.finish(StopReason::Stop);
         }
         let text = match (self.session.engine().tokenizer_opt(), self.params.text) {
-            (Some(tk), true) => tk.decode_incremental(&self.produced, tok).map_err(Error::Input)?,
+            (Some(tk), true) => tk.decode_incremental(&self.produced, tok)?,
             _ => String::new(),
         };
         self.produced.push(tok);

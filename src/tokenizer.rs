@@ -6,6 +6,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use crate::error::Error;
+
 /// One chat message.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Message {
@@ -46,9 +48,9 @@ fn token_str(v: Option<&Value>) -> Option<String> {
 impl Tokenizer {
     /// Loads `tokenizer.json` and the template and special tokens from the
     /// configs beside it. `eos_ids` are the config's EOS ids.
-    pub fn load(dir: &Path, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Self, String> {
+    pub fn load(dir: &Path, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Self, Error> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Load(format!("{}: {e}", path.display())))?;
         let tc: Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
             .ok()
             .and_then(|s| serde_json::from_str(&s).ok())
@@ -81,8 +83,8 @@ impl Tokenizer {
 
     /// Encodes text; `add_bos` prepends BOS (when the checkpoint has one and the
     /// text does not already start with it).
-    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, String> {
-        let enc = self.inner.encode(text, false).map_err(|e| format!("tokenizer: {e}"))?;
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, Error> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))?;
         let mut ids = enc.get_ids().to_vec();
         if add_bos {
             if let Some(b) = self.bos_id {
@@ -95,8 +97,8 @@ impl Tokenizer {
     }
 
     /// Decodes ids to text (special tokens skipped).
-    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        self.inner.decode(ids, true).map_err(|e| format!("tokenizer: {e}"))
+    pub fn decode(&self, ids: &[u32]) -> Result<String, Error> {
+        self.inner.decode(ids, true).map_err(|e| Error::Input(format!("tokenizer: {e}")))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -108,24 +110,25 @@ impl Tokenizer {
     }
 
     /// Renders the checkpoint's chat template.
-    pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, String> {
-        let tpl = self.chat_template.as_deref().ok_or("this checkpoint has no chat template")?;
+    pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
+        let tpl = self.chat_template.as_deref().ok_or_else(|| Error::Input("this checkpoint has no chat template".into()))?;
         let mut env = minijinja::Environment::new();
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        env.add_template("chat", tpl).map_err(|e| format!("chat template: {e}"))?;
-        let t = env.get_template("chat").map_err(|e| format!("chat template: {e}"))?;
+        let template_err = |e: minijinja::Error| Error::Input(format!("chat template: {e}"));
+        env.add_template("chat", tpl).map_err(template_err)?;
+        let t = env.get_template("chat").map_err(template_err)?;
         t.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
         })
-        .map_err(|e| format!("chat template: {e}"))
+        .map_err(template_err)
     }
 
     /// Chat prompt ids: the rendered template (which carries its own BOS).
-    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>, String> {
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>, Error> {
         let text = self.apply_chat_template(messages, true)?;
         // The template writes BOS as text; the tokenizer maps it to its id.
         self.encode(&text, true)
@@ -133,7 +136,7 @@ impl Tokenizer {
 
     /// Text a token adds when appended to `prev` (streaming decode that keeps
     /// multi-byte characters and SentencePiece spaces intact).
-    pub fn decode_incremental(&self, prev: &[u32], next: u32) -> Result<String, String> {
+    pub fn decode_incremental(&self, prev: &[u32], next: u32) -> Result<String, Error> {
         // A few tokens of context are enough to place spaces and finish characters.
         let prev = &prev[prev.len().saturating_sub(8)..];
         let before = self.decode(prev)?;
