@@ -106,3 +106,30 @@ fn each_rule_has_a_switch() {
     assert!(FuseOptions::without("norm_add,bogus").unwrap_err().contains("bogus"));
     assert_eq!(FuseOptions::without("all").unwrap(), FuseOptions::none());
 }
+
+/// The fused graphs keep the shape the kernels were tuned on: ops by kind for decode and a
+/// 12-token prefill (the graphs of the builders before the fusion pass existed, op for op).
+#[test]
+fn fused_graphs_keep_their_op_counts() {
+    use markbase::graph::{build_from_config, BuildOptions};
+    let cases: [(&str, usize, usize, &str); 6] = [
+        ("configs/gemma3-270m", 4096, 1, "argmax 1, embed 1, matmul 36, norm_geglu 18, norm_matmul 19, norm_rope_attention 18, reshape 36, rms_norm_add 36"),
+        ("configs/gemma3-270m", 4096, 12, "argmax 1, attention 18, embed 1, geglu 18, kv_write 36, matmul 127, norm_rope 36, reshape 72, rms_norm 37, rms_norm_add 36"),
+        ("tests/fixtures/gemma4_moe-q4", 64, 1, "argmax 1, embed 1, gather_matmul 18, geglu 6, kv_write_norm_rope 12, matmul 18, norm_geglu 6, norm_matmul 7, norm_rope_attention 6, reshape 12, rms_norm 18, rms_norm_add 18, scale 6, softcap 1, top_k 6, top_k_softmax 6, weighted_sum 6"),
+        ("tests/fixtures/gemma4_moe-q4", 64, 12, "argmax 1, attention 6, embed 1, geglu 12, grouped_matmul 18, kv_write 12, matmul 47, moe_group 6, norm_rope 12, reshape 22, rms_norm 37, rms_norm_add 18, scale 6, softcap 1, top_k 6, top_k_softmax 6, weighted_sum 6"),
+        ("tests/fixtures/gemma4_dense_ple-q4", 64, 1, "add 1, argmax 1, embed 2, geglu 6, kv_write_norm_rope 8, matmul 25, norm_geglu 6, norm_matmul 7, norm_rope_attention 6, reshape 20, rms_norm 1, rms_norm_add 18, scale 2, slice 6, softcap 1"),
+        ("tests/fixtures/gemma4_dense_ple-q4", 64, 12, "add 1, argmax 1, attention 6, embed 2, geglu 12, kv_write 8, matmul 52, norm_rope 10, reshape 28, rms_norm 18, rms_norm_add 18, scale 2, slice 6, softcap 1"),
+    ];
+    for (dir, max_context, tokens, want) in cases {
+        let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir).join("config.json")).unwrap();
+        let cfg = markbase::graph::ModelConfig::from_json_str(&text).unwrap();
+        let o = if tokens == 1 { BuildOptions::decode(max_context, 512.min(max_context)) } else { BuildOptions::prefill(tokens, max_context) };
+        let g = build_from_config(&cfg, &o).unwrap();
+        let mut counts = std::collections::BTreeMap::new();
+        for n in g.op_nodes() {
+            *counts.entry(g.node(n).op().unwrap().name()).or_insert(0) += 1;
+        }
+        let got: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        assert_eq!(got.join(", "), want, "{dir} tokens {tokens}");
+    }
+}
