@@ -753,7 +753,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 let bg = if k.is_split() {
                     let (pb, cb) = k.split_scratch_bytes(&d);
                     if cx.acc.split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
-                        let pair = (cx.gpu.storage("gemm.partials", pb), cx.gpu.storage("gemm.counters", cb));
+                        let pair = (cx.gpu.try_storage("gemm.partials", pb).map_err(|e| e.to_string())?, cx.gpu.try_storage("gemm.counters", cb).map_err(|e| e.to_string())?);
                         cx.acc.scratch.extend([pair.0.clone(), pair.1.clone()]);
                         cx.acc.split_scratch = Some(pair);
                     }
