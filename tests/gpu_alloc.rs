@@ -64,3 +64,24 @@ fn kv_cache_over_the_binding_limit_is_an_error_naming_the_layer() {
     assert!(e.contains(&fmt_bytes(limit)) && e.contains("storage binding limit"), "{e}");
     assert!(e.contains("lower --max-context"), "{e}");
 }
+
+#[test]
+fn device_error_during_a_step_is_an_error_of_the_step() {
+    let name = "gemma3_text-q4";
+    let ck = Checkpoint::open(common::fixture(name)).unwrap();
+    let g = ck.build(BuildOptions::prefill(1, 64)).unwrap();
+    let (w, _) = ck.load_weights(&g).unwrap();
+    let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
+    let mut exec = GpuExecutor::new(None, Arc::new(w), false).unwrap();
+    let step = StepInputs { tokens: &[2], positions: &[0], ..Default::default() };
+    let key = GraphKey { tokens: 1, all_logits: false, sample: false };
+    exec.run(key, &c, &step, false).expect("a step on intact buffers");
+    // the prepared bind groups still hold the KV caches: the next submission is invalid
+    exec.destroy_states();
+    let step = StepInputs { tokens: &[2], positions: &[1], ..Default::default() };
+    let e = exec.run(key, &c, &step, false).unwrap_err();
+    assert!(e.contains("device error during a step"), "{e}");
+    // and it stays an error: the device's results can no longer be trusted
+    let e = exec.run(key, &c, &step, false).unwrap_err();
+    assert!(e.contains("device error during a step"), "{e}");
+}

@@ -4,6 +4,9 @@
 use std::fmt;
 use std::str::FromStr;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
 use wgpu::util::DeviceExt;
 
 /// A graphics API wgpu can run compute on.
@@ -173,6 +176,23 @@ pub struct Gpu {
     pub device: wgpu::Device,
     pub queue: wgpu::Queue,
     pub info: GpuInfo,
+    faults: Arc<Faults>,
+}
+
+/// Errors no error scope caught (a validation error in a submission, a lost device),
+/// recorded by the device's handlers instead of wgpu's default panic.
+#[derive(Default)]
+struct Faults {
+    any: AtomicBool,
+    first: Mutex<Option<String>>,
+}
+
+impl Faults {
+    fn record(&self, msg: String) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert(msg);
+        self.any.store(true, Ordering::Release);
+    }
 }
 
 fn device_type_name(t: wgpu::DeviceType) -> &'static str {
@@ -307,7 +327,21 @@ impl Gpu {
             timestamps_inside_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             limits,
         };
-        Ok(Gpu { instance, adapter, device, queue, info })
+        let faults = Arc::new(Faults::default());
+        let f = faults.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| f.record(e.to_string())));
+        let f = faults.clone();
+        device.set_device_lost_callback(move |reason, msg| f.record(format!("device lost ({reason:?}): {msg}")));
+        Ok(Gpu { instance, adapter, device, queue, info, faults })
+    }
+
+    /// The first error no error scope caught since the device opened (a failed
+    /// submission, a lost device): once one happened the device's results cannot be trusted.
+    pub fn fault(&self) -> Option<String> {
+        if !self.faults.any.load(Ordering::Acquire) {
+            return None;
+        }
+        self.faults.first.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn limits(&self) -> &wgpu::Limits {

@@ -298,6 +298,24 @@ impl GpuExecutor {
         Ok(Some(Queries { set, resolve, staging, count }))
     }
 
+    /// An error if the device reported one outside any error scope (checked once per
+    /// step: an atomic load).
+    fn check_device(&self) -> Result<(), String> {
+        match self.gpu.fault() {
+            Some(e) => Err(format!("device error during a step: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Destroys every KV-cache buffer while prepared steps still bind them, so that the
+    /// next step's submission fails validation (tests of the device-error path).
+    #[doc(hidden)]
+    pub fn destroy_states(&self) {
+        for b in self.states.values() {
+            b.destroy();
+        }
+    }
+
     /// Maps a staging buffer after the queue drained and copies its bytes out.
     fn read_staging(&self, b: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, String> {
         self.read_staging_after(b, bytes, None)
@@ -466,6 +484,7 @@ impl GpuExecutor {
         let profiled = queries.map(|_| level);
         self.prepared.get_mut(&key).unwrap().next_slot = (slot + 1) % RING;
         self.in_flight.push_back(InFlight { key, slot, want_logits, profiled, submission: submitted });
+        self.check_device()?;
         if self.in_flight.len() >= RING {
             return Err("too many steps in flight".into());
         }
@@ -474,6 +493,13 @@ impl GpuExecutor {
 
     /// Waits for the oldest step in flight and reads its token (and logits, profile).
     fn take_step(&mut self) -> Result<StepOutput, String> {
+        let out = self.take_step_unchecked();
+        // a failed map or poll after a device error reports the device error
+        self.check_device()?;
+        out
+    }
+
+    fn take_step_unchecked(&mut self) -> Result<StepOutput, String> {
         let f = self.in_flight.pop_front().ok_or("no step in flight")?;
         let p = &self.prepared[&f.key];
         let want_logits = f.want_logits;
