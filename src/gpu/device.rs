@@ -4,6 +4,9 @@
 use std::fmt;
 use std::str::FromStr;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
 use wgpu::util::DeviceExt;
 
 /// A graphics API wgpu can run compute on.
@@ -96,8 +99,22 @@ pub enum GpuError {
     Kernel { name: String, msg: String },
     #[error("GPU readback failed: {0}")]
     Readback(String),
+    /// A buffer that could not be created: over a limit, out of memory, or refused by the device.
+    #[error("{0}")]
+    Alloc(String),
     #[error("{0}")]
     Other(String),
+}
+
+/// `bytes` for messages: "512 MiB", "3.5 KiB", "12 bytes".
+pub fn fmt_bytes(bytes: u64) -> String {
+    let (v, unit) = match bytes {
+        b if b >= 1 << 30 => (b as f64 / (1u64 << 30) as f64, "GiB"),
+        b if b >= 1 << 20 => (b as f64 / (1u64 << 20) as f64, "MiB"),
+        b if b >= 1 << 10 => (b as f64 / 1024.0, "KiB"),
+        b => return format!("{b} bytes"),
+    };
+    if v.fract() == 0.0 { format!("{v:.0} {unit}") } else { format!("{v:.1} {unit}") }
 }
 
 /// How to pick the device.
@@ -159,6 +176,23 @@ pub struct Gpu {
     pub device: wgpu::Device,
     pub queue: wgpu::Queue,
     pub info: GpuInfo,
+    faults: Arc<Faults>,
+}
+
+/// Errors no error scope caught (a validation error in a submission, a lost device),
+/// recorded by the device's handlers instead of wgpu's default panic.
+#[derive(Default)]
+struct Faults {
+    any: AtomicBool,
+    first: Mutex<Option<String>>,
+}
+
+impl Faults {
+    fn record(&self, msg: String) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert(msg);
+        self.any.store(true, Ordering::Release);
+    }
 }
 
 fn device_type_name(t: wgpu::DeviceType) -> &'static str {
@@ -293,7 +327,21 @@ impl Gpu {
             timestamps_inside_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             limits,
         };
-        Ok(Gpu { instance, adapter, device, queue, info })
+        let faults = Arc::new(Faults::default());
+        let f = faults.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| f.record(e.to_string())));
+        let f = faults.clone();
+        device.set_device_lost_callback(move |reason, msg| f.record(format!("device lost ({reason:?}): {msg}")));
+        Ok(Gpu { instance, adapter, device, queue, info, faults })
+    }
+
+    /// The first error no error scope caught since the device opened (a failed
+    /// submission, a lost device): once one happened the device's results cannot be trusted.
+    pub fn fault(&self) -> Option<String> {
+        if !self.faults.any.load(Ordering::Acquire) {
+            return None;
+        }
+        self.faults.first.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn limits(&self) -> &wgpu::Limits {
@@ -305,14 +353,50 @@ impl Gpu {
         self.info.limits.max_storage_buffer_binding_size.min(self.info.limits.max_buffer_size)
     }
 
-    /// A buffer holding `bytes` (zero-padded to a multiple of 4), usable as a read-only
-    /// or read-write storage buffer and as a copy source/destination.
-    pub fn upload(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
-        self.upload_with(label, bytes, storage_usage())
+    /// Creates the buffer `purpose` of `size` bytes (holding `contents` when given, which
+    /// must be `size` bytes). Sizes over the adapter's limits are refused before wgpu sees
+    /// them; what the limits cannot predict (out of memory, a refusal by the driver) is
+    /// caught by an error scope. The error names the buffer, its size and the limit.
+    pub fn try_buffer(&self, purpose: &str, size: u64, usage: wgpu::BufferUsages, contents: Option<&[u8]>) -> Result<wgpu::Buffer, GpuError> {
+        let l = &self.info.limits;
+        let over = |limit: u64, what: &str| {
+            GpuError::Alloc(format!("{purpose}: {} exceeds this adapter's {} {what} limit", fmt_bytes(size), fmt_bytes(limit)))
+        };
+        if usage.contains(wgpu::BufferUsages::STORAGE) && size > l.max_storage_buffer_binding_size {
+            return Err(over(l.max_storage_buffer_binding_size, "storage binding"));
+        }
+        if usage.contains(wgpu::BufferUsages::UNIFORM) && size > l.max_uniform_buffer_binding_size {
+            return Err(over(l.max_uniform_buffer_binding_size, "uniform binding"));
+        }
+        if size > l.max_buffer_size {
+            return Err(over(l.max_buffer_size, "buffer size"));
+        }
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let invalid = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let buf = match contents {
+            Some(contents) => {
+                self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: Some(purpose), contents, usage })
+            }
+            None => self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(purpose), size, usage, mapped_at_creation: false }),
+        };
+        let failed = pollster::block_on(invalid.pop()).or(pollster::block_on(oom.pop()));
+        match failed {
+            None => Ok(buf),
+            Some(e @ wgpu::Error::OutOfMemory { .. }) => {
+                Err(GpuError::Alloc(format!("{purpose}: out of device memory allocating {}: {e}", fmt_bytes(size))))
+            }
+            Some(e) => Err(GpuError::Alloc(format!("{purpose}: creating a buffer of {} failed: {e}", fmt_bytes(size)))),
+        }
     }
 
-    /// Like [`Gpu::upload`] with explicit usages.
-    pub fn upload_with(&self, label: &str, bytes: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+    /// A buffer holding `bytes` (zero-padded to a multiple of 4), usable as a read-only
+    /// or read-write storage buffer and as a copy source/destination.
+    pub fn try_upload(&self, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer, GpuError> {
+        self.try_upload_with(label, bytes, storage_usage())
+    }
+
+    /// Like [`Gpu::try_upload`] with explicit usages.
+    pub fn try_upload_with(&self, label: &str, bytes: &[u8], usage: wgpu::BufferUsages) -> Result<wgpu::Buffer, GpuError> {
         let padded;
         let contents = if bytes.len() % 4 != 0 || bytes.is_empty() {
             let mut v = bytes.to_vec();
@@ -322,7 +406,27 @@ impl Gpu {
         } else {
             bytes
         };
-        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor { label: Some(label), contents, usage })
+        self.try_buffer(label, contents.len() as u64, usage, Some(contents))
+    }
+
+    /// A zeroed storage buffer of `bytes` (rounded up to 4, at least 4).
+    pub fn try_storage(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        self.try_buffer(label, (bytes.max(4) + 3) / 4 * 4, storage_usage(), None)
+    }
+
+    /// A host-readable buffer of `bytes` (at least 4) to copy results into.
+    pub fn try_staging(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, GpuError> {
+        self.try_buffer(label, bytes.max(4), wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST, None)
+    }
+
+    /// [`Gpu::try_upload`] for tests and tools, where a failed allocation may end the program.
+    pub fn upload(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+        self.try_upload(label, bytes).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Gpu::try_upload_with`] for tests and tools.
+    pub fn upload_with(&self, label: &str, bytes: &[u8], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+        self.try_upload_with(label, bytes, usage).unwrap_or_else(|e| panic!("{e}"))
     }
 
     pub fn upload_f32(&self, label: &str, v: &[f32]) -> wgpu::Buffer {
@@ -333,14 +437,9 @@ impl Gpu {
         self.upload(label, bytemuck::cast_slice(v))
     }
 
-    /// A zeroed storage buffer of `bytes` (rounded up to 4, at least 4).
+    /// [`Gpu::try_storage`] for tests and tools.
     pub fn storage(&self, label: &str, bytes: u64) -> wgpu::Buffer {
-        self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some(label),
-            size: (bytes.max(4) + 3) / 4 * 4,
-            usage: storage_usage(),
-            mapped_at_creation: false,
-        })
+        self.try_storage(label, bytes).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// A uniform buffer holding `params` (a kernel's params struct); writable with `queue.write_buffer`.
@@ -355,12 +454,7 @@ impl Gpu {
     /// Copies `bytes` bytes from the start of `buf` back to the host (waits for the GPU).
     pub fn readback(&self, buf: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, GpuError> {
         let size = (bytes + 3) / 4 * 4;
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: size.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = self.try_staging("readback staging", size)?;
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
         enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
         self.queue.submit([enc.finish()]);

@@ -132,6 +132,13 @@ pub struct GpuExecutor {
     in_flight: std::collections::VecDeque<InFlight>,
 }
 
+/// What a state buffer is, for messages: "KV cache of layer 3 (keys)".
+fn state_purpose(kind: &StateKind) -> String {
+    match kind {
+        StateKind::KvCache { layer, value } => format!("KV cache of layer {layer} ({})", if *value { "values" } else { "keys" }),
+    }
+}
+
 fn err<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -164,18 +171,25 @@ impl GpuExecutor {
         self.gpu.info.summary()
     }
 
-    fn state_buffer(&mut self, kind: &StateKind, bytes: u64) -> wgpu::Buffer {
-        let gpu = &self.gpu;
-        self.states
-            .entry(kind.clone())
-            .or_insert_with(|| gpu.storage(&format!("{kind:?}"), bytes))
-            .clone()
+    fn state_buffer(&mut self, kind: &StateKind, bytes: u64) -> Result<wgpu::Buffer, String> {
+        if let Some(b) = self.states.get(kind) {
+            return Ok(b.clone());
+        }
+        let b = self.gpu.try_storage(&state_purpose(kind), bytes).map_err(|e| format!("{e}: lower --max-context"))?;
+        self.states.insert(kind.clone(), b.clone());
+        Ok(b)
     }
 
     fn prepare(&mut self, c: &Compiled) -> Result<Prepared, String> {
         let g = &c.graph;
-        let pool: Vec<wgpu::Buffer> =
-            c.alloc.pool_sizes.iter().enumerate().map(|(i, &s)| self.gpu.storage(&format!("pool{i}"), s as u64)).collect();
+        let pool: Vec<wgpu::Buffer> = c
+            .alloc
+            .pool_sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| self.gpu.try_storage(&format!("pool buffer {i}"), s as u64))
+            .collect::<Result<_, _>>()
+            .map_err(err)?;
         let mut inputs = HashMap::new();
         let mut input_bufs: HashMap<u32, wgpu::Buffer> = HashMap::new();
         let mut state_bufs: HashMap<u32, wgpu::Buffer> = HashMap::new();
@@ -183,12 +197,12 @@ impl GpuExecutor {
             let node = g.node(n);
             match &node.kind {
                 NodeKind::Input { input } => {
-                    let b = self.gpu.storage(&node.name, node.ty.bytes() as u64);
+                    let b = self.gpu.try_storage(&format!("input {}", node.name), node.ty.bytes() as u64).map_err(err)?;
                     inputs.insert(*input, b.clone());
                     input_bufs.insert(node.id, b);
                 }
                 NodeKind::State { state } => {
-                    let b = self.state_buffer(state, node.ty.bytes() as u64);
+                    let b = self.state_buffer(state, node.ty.bytes() as u64)?;
                     state_bufs.insert(node.id, b);
                 }
                 _ => {}
@@ -218,16 +232,8 @@ impl GpuExecutor {
             return Err("token output is not u32".into());
         }
         let logits_bytes = g.node(logits).ty.bytes() as u64;
-        let staging = |label: &str, size: u64| {
-            self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some(label),
-                size: size.max(4),
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            })
-        };
-        let token_ring = (0..RING).map(|_| staging("token staging", 4)).collect();
-        let logits_staging = staging("logits staging", logits_bytes);
+        let token_ring = (0..RING).map(|_| self.gpu.try_staging("token staging", 4)).collect::<Result<_, _>>().map_err(err)?;
+        let logits_staging = self.gpu.try_staging("logits staging", logits_bytes).map_err(err)?;
         Ok(Prepared {
             pool,
             inputs,
@@ -270,29 +276,44 @@ impl GpuExecutor {
         self.gpu.read_f32(&b, (b.size() / 4) as usize).map_err(err)
     }
 
-    fn make_queries(&self, p: &Prepared, level: Profile) -> Option<Queries> {
+    fn make_queries(&self, p: &Prepared, level: Profile) -> Result<Option<Queries>, String> {
         let count = match level {
-            Profile::Off => return None,
+            Profile::Off => return Ok(None),
             Profile::Phases if self.gpu.info.timestamps => 2 * p.phases.len(),
             Profile::Kernels if self.gpu.info.timestamps_inside_passes => p.phases.iter().map(|ph| ph.len() + 1).sum(),
-            _ => return None,
+            _ => return Ok(None),
         }
         .min(4096) as u32;
+        let scope = self.gpu.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let set = self.gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: Some("timestamps"), ty: wgpu::QueryType::Timestamp, count });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(format!("timestamp query set of {count} queries: {e}"));
+        }
         let bytes = count as u64 * 8;
-        let resolve = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("timestamps"),
-            size: bytes,
-            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let staging = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("timestamps staging"),
-            size: bytes,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        Some(Queries { set, resolve, staging, count })
+        let resolve = self
+            .gpu
+            .try_buffer("timestamps", bytes, wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC, None)
+            .map_err(err)?;
+        let staging = self.gpu.try_staging("timestamps staging", bytes).map_err(err)?;
+        Ok(Some(Queries { set, resolve, staging, count }))
+    }
+
+    /// An error if the device reported one outside any error scope (checked once per
+    /// step: an atomic load).
+    fn check_device(&self) -> Result<(), String> {
+        match self.gpu.fault() {
+            Some(e) => Err(format!("device error during a step: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Destroys every KV-cache buffer while prepared steps still bind them, so that the
+    /// next step's submission fails validation (tests of the device-error path).
+    #[doc(hidden)]
+    pub fn destroy_states(&self) {
+        for b in self.states.values() {
+            b.destroy();
+        }
     }
 
     /// Maps a staging buffer after the queue drained and copies its bytes out.
@@ -371,7 +392,7 @@ impl GpuExecutor {
         }
         let level = if self.check_nan { Profile::Off } else { self.profile };
         if self.prepared[&key].queries.as_ref().map(|q| q.0) != Some(level) && level != Profile::Off {
-            let q = self.make_queries(&self.prepared[&key], level);
+            let q = self.make_queries(&self.prepared[&key], level)?;
             self.prepared.get_mut(&key).unwrap().queries = q.map(|q| (level, q));
         }
         let t0 = std::time::Instant::now();
@@ -463,6 +484,7 @@ impl GpuExecutor {
         let profiled = queries.map(|_| level);
         self.prepared.get_mut(&key).unwrap().next_slot = (slot + 1) % RING;
         self.in_flight.push_back(InFlight { key, slot, want_logits, profiled, submission: submitted });
+        self.check_device()?;
         if self.in_flight.len() >= RING {
             return Err("too many steps in flight".into());
         }
@@ -471,6 +493,13 @@ impl GpuExecutor {
 
     /// Waits for the oldest step in flight and reads its token (and logits, profile).
     fn take_step(&mut self) -> Result<StepOutput, String> {
+        let out = self.take_step_unchecked();
+        // a failed map or poll after a device error reports the device error
+        self.check_device()?;
+        out
+    }
+
+    fn take_step_unchecked(&mut self) -> Result<StepOutput, String> {
         let f = self.in_flight.pop_front().ok_or("no step in flight")?;
         let p = &self.prepared[&f.key];
         let want_logits = f.want_logits;

@@ -233,16 +233,16 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
     let mut r0 = 0;
     while r0 < rows {
         let r1 = (r0 + chunk_rows).min(rows);
-        let label = format!("{name}[{r0}..{r1}]");
-        let wbuf = gpu.upload(&label, slice_bytes(&w.weight, wb, r0, r1));
+        let label = format!("weight {name} chunk {} (rows {r0}..{r1})", chunks.len());
+        let wbuf = gpu.try_upload(&label, slice_bytes(&w.weight, wb, r0, r1))?;
         let scales = match format {
             GpuFormat::Affine { scale, .. } => {
                 let s = slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1);
                 let b = slice_bytes(w.biases.as_ref().unwrap(), bb, r0, r1);
-                Some(gpu.upload(&format!("{label}.scales+biases"), &interleave(s, b, scale)))
+                Some(gpu.try_upload(&format!("{label}.scales+biases"), &interleave(s, b, scale))?)
             }
             GpuFormat::Float(_) => None,
-            _ => Some(gpu.upload(&format!("{label}.scales"), slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1))),
+            _ => Some(gpu.try_upload(&format!("{label}.scales"), slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1))?),
         };
         chunks.push(WeightChunk { row_start: r0, rows: r1 - r0, w: wbuf, scales });
         r0 = r1;
@@ -250,7 +250,7 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
     let global = if format.has_global() {
         let g = w.global_scale.as_ref().unwrap();
         let v = g.to_f32();
-        Some(gpu.upload_f32(&format!("{name}.global_scale"), &v))
+        Some(gpu.try_upload(&format!("{name}.global_scale"), bytemuck::cast_slice(&v))?)
     } else {
         None
     };
@@ -261,7 +261,7 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
 /// returns the buffer and its dtype for the kernels' `*DT` variants.
 pub fn upload_vector(gpu: &Gpu, t: &RawTensor, label: &str) -> Result<(wgpu::Buffer, FloatType), GpuError> {
     let ft = float_type(t.dtype).ok_or_else(|| GpuError::Other(format!("{label}: {} is not a float tensor", t.dtype.name())))?;
-    Ok((gpu.upload(label, &t.bytes), ft))
+    Ok((gpu.try_upload(label, &t.bytes)?, ft))
 }
 
 #[cfg(test)]

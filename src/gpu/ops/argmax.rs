@@ -85,14 +85,14 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Argmax => {
             let ls = cx.shape_of(0);
             let k = kernels.argmax().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
+            let p = cx.uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?);
             cx.push(k.kernel.clone(), bg, [1, 1, 1]);
         }
         Op::Sample => {
             let ls = cx.shape_of(0);
             let s = crate::gpu::sample::Sampler::new(&cx.gpu, &kernels, ls[1]).map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])));
+            let p = cx.uni(bytemuck::bytes_of(&ArgmaxParams::last_row(ls[0], ls[1])))?;
             cx.acc.scratch.extend(s.scratch());
             for (k, bg, groups) in s.dispatches(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.input(2)?, &cx.out()?) {
                 cx.push(k, bg, groups);

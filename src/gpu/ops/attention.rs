@@ -189,13 +189,18 @@ impl AttentionKernel {
     }
     /// The scratch buffers of a split attention over `t` queries of `nq` heads (`None`
     /// without splits).
-    pub fn scratch(&self, gpu: &Gpu, name: &str, t: usize, nq: usize, d: usize) -> Option<AttnScratch> {
+    pub fn try_scratch(&self, gpu: &Gpu, name: &str, t: usize, nq: usize, d: usize) -> Result<Option<AttnScratch>, GpuError> {
         if self.nsplit <= 1 {
-            return None;
+            return Ok(None);
         }
-        let partials = gpu.storage(&format!("{name}.partials"), self.partials_bytes(t, nq, d));
-        let counters = self.merges().then(|| gpu.storage(&format!("{name}.counters"), (t * nq * 4) as u64));
-        Some(AttnScratch { partials, counters })
+        let partials = gpu.try_storage(&format!("{name}.partials"), self.partials_bytes(t, nq, d))?;
+        let counters = self.merges().then(|| gpu.try_storage(&format!("{name}.counters"), (t * nq * 4) as u64)).transpose()?;
+        Ok(Some(AttnScratch { partials, counters }))
+    }
+
+    /// [`AttentionKernel::try_scratch`] for tests and tools.
+    pub fn scratch(&self, gpu: &Gpu, name: &str, t: usize, nq: usize, d: usize) -> Option<AttnScratch> {
+        self.try_scratch(gpu, name, t, nq, d).unwrap_or_else(|e| panic!("{e}"))
     }
     /// `out` is the final output, `scratch` the split's buffers (split only); `extra`: more
     /// bindings (q's rope params at 6 and norm weight at 7 with a fused q norm + RoPE).
@@ -266,7 +271,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                     let rp = RopeParams::new(t, nq, d, *theta, *factor, *rotary_pairs)
                         .with_norm(Some((*norm, *eps)))
                         .with_heads(cx.shape_of(0)[1], heads.map_or(0, |r| r.start));
-                    Some((cx.uni(bytemuck::bytes_of(&rp)), cx.norm_w()?))
+                    Some((cx.uni(bytemuck::bytes_of(&rp))?, cx.norm_w()?))
                 }
                 _ => None,
             };
@@ -285,7 +290,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.attention_with(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(cx.kerr())?;
             let params = k.params(t, nq, nkv, d, slots, *scale, *window);
             let params = append.map_or(params, |(a, _)| params.with_append(a.k.start, a.v.start));
-            let p = cx.uni(bytemuck::bytes_of(&params));
+            let p = cx.uni(bytemuck::bytes_of(&params))?;
             let mut extra: Vec<(u32, &wgpu::Buffer)> = vec![];
             if let Some((rb, nw)) = &qrope {
                 extra.push((6, rb));
@@ -296,7 +301,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             if let Some((_, Some((b, _)))) = append {
                 extra.push((10, b));
             }
-            let sc = k.scratch(&cx.gpu, &cx.node.name, t, nq, d);
+            let sc = k.try_scratch(&cx.gpu, &cx.node.name, t, nq, d).map_err(|e| e.to_string())?;
             if let Some(sc) = &sc {
                 cx.acc.scratch.push(sc.partials.clone());
                 cx.acc.scratch.extend(sc.counters.clone());

@@ -100,7 +100,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Slice { axis, start, len } => {
             let k = kernels.copy().map_err(cx.kerr())?;
             let cp = CopyParams::slice(&cx.shape_of(0), *axis, *start, *len);
-            let p = cx.uni(bytemuck::bytes_of(&cp));
+            let p = cx.uni(bytemuck::bytes_of(&cp))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?);
             cx.push(k.kernel.clone(), bg, k.groups(&cp));
         }

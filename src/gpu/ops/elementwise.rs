@@ -126,21 +126,21 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 None => (cx.input(1)?, FloatType::F32),
             };
             let k = kernels.binary(bdt).map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&ElementwiseParams::binary(*f, n_el, nb)));
+            let p = cx.uni(bytemuck::bytes_of(&ElementwiseParams::binary(*f, n_el, nb)))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&bbuf));
             cx.push(k.kernel.clone(), bg, k.groups(n_el));
         }
         Op::Unary { f } => {
             let n_el = cx.node.ty.numel();
             let k = kernels.unary().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&ElementwiseParams::unary(*f, n_el)));
+            let p = cx.uni(bytemuck::bytes_of(&ElementwiseParams::unary(*f, n_el)))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, None);
             cx.push(k.kernel.clone(), bg, k.groups(n_el));
         }
         Op::GeGlu => {
             let n_el = cx.node.ty.numel();
             let k = kernels.geglu().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&ElementwiseParams::geglu(n_el)));
+            let p = cx.uni(bytemuck::bytes_of(&ElementwiseParams::geglu(n_el)))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&cx.input(1)?));
             cx.push(k.kernel.clone(), bg, k.groups(n_el));
         }

@@ -97,7 +97,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.embed(w.format).map_err(cx.kerr())?;
             let t = cx.node.ty.shape[0];
             for ci in 0..w.chunks.len() {
-                let p = cx.uni(bytemuck::bytes_of(&k.params(w, ci, t, *scale, *clamp)));
+                let p = cx.uni(bytemuck::bytes_of(&k.params(w, ci, t, *scale, *clamp)))?;
                 let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, w, ci);
                 cx.push(k.kernel.clone(), bg, k.groups(t, w.k));
             }

@@ -86,7 +86,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let row = cx.node.ty.shape[1] * cx.node.ty.shape[2];
             let x_off = heads.map_or(0, |r| r.start * xs[2]);
             let k = kernels.kv_write().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&k.params_strided(xs[0], row, slots, xs[1] * xs[2], x_off)));
+            let p = cx.uni(bytemuck::bytes_of(&k.params_strided(xs[0], row, slots, xs[1] * xs[2], x_off)))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?);
             cx.push(k.kernel.clone(), bg, k.groups(xs[0], row));
         }

@@ -749,11 +749,11 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::plain(w, ci, rows);
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                 let bg = if k.is_split() {
                     let (pb, cb) = k.split_scratch_bytes(&d);
                     if cx.acc.split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
-                        let pair = (cx.gpu.storage("gemm.partials", pb), cx.gpu.storage("gemm.counters", cb));
+                        let pair = (cx.gpu.try_storage("gemm.partials", pb).map_err(|e| e.to_string())?, cx.gpu.try_storage("gemm.counters", cb).map_err(|e| e.to_string())?);
                         cx.acc.scratch.extend([pair.0.clone(), pair.1.clone()]);
                         cx.acc.split_scratch = Some(pair);
                     }
@@ -773,7 +773,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.matmul(w.format, w.k, t * s, true).map_err(cx.kerr())?;
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::gathered(w, ci, t, s, bcast);
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                 let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&cx.input(1)?), w, ci);
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
             }
@@ -786,7 +786,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.grouped_matmul(w.format, w.k).map_err(cx.kerr())?;
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::gathered(w, ci, t, s, bcast);
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                 let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&cx.input(3)?), w, ci);
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
             }
@@ -805,7 +805,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.norm_geglu(w.format, w.k, w.rows, nw.map(|v| v.1)).map_err(cx.kerr())?;
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                 let bg = k.bind_group_dual(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, wu, ci);
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
             }
@@ -823,7 +823,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             if let Some(k) = cat {
                 // every weight in one dispatch
                 let d = MatMulDims::cat(&ws).with_norm(*scale, *eps);
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                 let bg = k.bind_group_cat(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), &ws);
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
             } else {
@@ -834,7 +834,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                     for ci in 0..w.chunks.len() {
                         let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
                         let d = MatMulDims { row_start: col + d.row_start, ldy, ..d };
-                        let p = cx.uni(bytemuck::bytes_of(&k.params(&d)));
+                        let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                         let bg = k.bind_group_norm(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, ci);
                         cx.push(k.kernel.clone(), bg, k.groups(&d));
                     }

@@ -188,16 +188,19 @@ impl<'a> LowerCtx<'a> {
     }
 
     /// A uniform params buffer holding `bytes`.
-    pub fn uni(&mut self, bytes: &[u8]) -> wgpu::Buffer {
-        let b = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some(&self.node.name),
-            size: (bytes.len() as u64 + 15) / 16 * 16,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+    pub fn uni(&mut self, bytes: &[u8]) -> Result<wgpu::Buffer, String> {
+        let b = self
+            .gpu
+            .try_buffer(
+                &format!("params of {}", self.node.name),
+                (bytes.len() as u64 + 15) / 16 * 16,
+                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                None,
+            )
+            .map_err(|e| e.to_string())?;
         self.gpu.queue.write_buffer(&b, 0, bytes);
         self.acc.params.push(b.clone());
-        b
+        Ok(b)
     }
 
     /// Records a dispatch of the node.

@@ -157,7 +157,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 None => kernels.rms_norm(wv.map(|v| v.1), res, d),
             }
             .map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)));
+            let p = cx.uni(bytemuck::bytes_of(&k.params(rows, d, *eps, *scale)))?;
             let rb = if res { Some(cx.input(1)?) } else { None };
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, wv.map(|v| &v.0), rb.as_ref(), sv.map(|v| &v.0));
             cx.push(k.kernel.clone(), bg, k.groups(rows));

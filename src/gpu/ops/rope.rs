@@ -191,7 +191,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.rope(norm.map(|_| wv.map(|v| v.1))).map_err(cx.kerr())?;
             let p = cx.uni(bytemuck::bytes_of(
                 &k.params(s[0], s[1], s[2], *theta, *factor, *rotary_pairs).with_norm(norm).with_heads(x_heads, head0),
-            ));
+            ))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?, wv.map(|v| &v.0));
             cx.push(k.kernel.clone(), bg, k.groups(s[0], s[1], s[2]));
         }
@@ -206,7 +206,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                     .with_norm(Some((*scale, *eps)))
                     .with_heads(xs[1], heads.map_or(0, |r| r.start))
                     .with_slots(s[0]),
-            ));
+            ))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?, cx.norm_w()?.map(|v| &v.0));
             cx.push(k.kernel.clone(), bg, k.groups(t, s[1], s[2]));
         }

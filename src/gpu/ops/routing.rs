@@ -140,7 +140,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::TopK { k: kk } => {
             let ls = cx.shape_of(0);
             let k = kernels.top_k().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], *kk)));
+            let p = cx.uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], *kk)))?;
             let bg = k.bind_group(dev, &[(0, &p), (1, &cx.input(0)?), (2, &cx.out()?)]);
             cx.push(k.kernel.clone(), bg, k.groups(ls[0] * ls[1]));
         }
@@ -149,7 +149,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let kk = cx.node.ty.shape[1];
             let sc = if cx.ins.len() > 2 { Some(cx.vecw(2).ok_or("per-expert scale missing")?) } else { None };
             let k = kernels.top_k_softmax(sc.map(|s| s.1)).map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], kk)));
+            let p = cx.uni(bytemuck::bytes_of(&k.params(ls[0], ls[1], kk)))?;
             let (lb, ib, ob) = (cx.input(0)?, cx.input(1)?, cx.out()?);
             let mut b: Vec<(u32, &wgpu::Buffer)> = vec![(0, &p), (1, &lb), (2, &ib), (3, &ob)];
             if let Some(s) = sc {
@@ -161,14 +161,14 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::WeightedSum => {
             let xs = cx.shape_of(0);
             let k = kernels.weighted_sum().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&k.params(xs[0], xs[1], xs[2])));
+            let p = cx.uni(bytemuck::bytes_of(&k.params(xs[0], xs[1], xs[2])))?;
             let bg = k.bind_group(dev, &[(0, &p), (1, &cx.input(0)?), (2, &cx.input(1)?), (3, &cx.out()?)]);
             cx.push(k.kernel.clone(), bg, k.groups(xs[0] * xs[2]));
         }
         Op::MoeGroup { experts } => {
             let pairs = cx.graph.node(cx.ins[0]).ty.numel();
             let k = kernels.moe_group().map_err(cx.kerr())?;
-            let p = cx.uni(bytemuck::bytes_of(&k.params(pairs, *experts)));
+            let p = cx.uni(bytemuck::bytes_of(&k.params(pairs, *experts)))?;
             let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?);
             cx.push(k.kernel.clone(), bg, [1, 1, 1]);
         }

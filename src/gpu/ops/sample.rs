@@ -61,8 +61,8 @@ impl Sampler {
             return Err(GpuError::Other(format!("sample: {v} logits out of range")));
         }
         let kernels = (0..STAGES.len()).map(|s| kernels.get(KernelSpec::Sample { stage: s as u32 })).collect::<Result<Vec<_>, _>>()?;
-        let part = gpu.storage("sample.part", chunks as u64 * PART_WORDS * 4);
-        let state = gpu.storage("sample.state", STATE_WORDS * 4);
+        let part = gpu.try_storage("sample.part", chunks as u64 * PART_WORDS * 4)?;
+        let state = gpu.try_storage("sample.state", STATE_WORDS * 4)?;
         Ok(Sampler { kernels, part, state, chunks: chunks as u32 })
     }
 
