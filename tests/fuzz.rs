@@ -6,11 +6,12 @@
 //! Each target starts from the real fixtures and mutates them. The corpus under
 //! `tests/fuzz-corpus/` (seeds and regressions) is replayed on every run.
 //! `MARKBASE_FUZZ_CASES=<n>` sets the number of generated cases per target
-//! (default 256); `MARKBASE_FUZZ_SECS=<s>` the time one case may take (default 20).
+//! (default 1024); `MARKBASE_FUZZ_SECS=<s>` the time one case may take (default 20).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
 use markbase::graph::{build_from_config, compile, BuildOptions, ModelConfig, PhasePolicy};
@@ -34,7 +35,7 @@ fn corpus(target: &str) -> Vec<(String, Vec<u8>)> {
 }
 
 fn cases() -> u32 {
-    std::env::var("MARKBASE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(256)
+    std::env::var("MARKBASE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(1024)
 }
 
 fn case_limit() -> Duration {
@@ -63,10 +64,33 @@ fn runner() -> TestRunner {
     TestRunner::new(Config { cases: cases(), failure_persistence: None, max_shrink_iters: 256, ..Config::default() })
 }
 
+/// The cases in flight (by test thread): their start and their input, watched by a thread
+/// that ends the process, naming the input, when one runs past twice the limit (a hang
+/// never returns to report itself).
+static IN_FLIGHT: Mutex<Vec<(std::thread::ThreadId, Instant, String)>> = Mutex::new(vec![]);
+
+fn watchdog() {
+    static START: Once = Once::new();
+    START.call_once(|| {
+        std::thread::spawn(|| loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let v = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, t, what)) = v.iter().find(|(_, t, _)| t.elapsed() > 2 * case_limit()) {
+                eprintln!("fuzz case hangs (running for {:?}) on input: {what}", t.elapsed());
+                std::process::exit(101);
+            }
+        });
+    });
+}
+
 /// Runs `f`, turning a panic or an overlong run into a test failure that shows `what`.
 fn guarded<T>(what: &dyn Fn() -> String, f: impl FnOnce() -> T) -> Result<T, TestCaseError> {
+    watchdog();
+    let me = std::thread::current().id();
+    IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner()).push((me, Instant::now(), what()));
     let t = Instant::now();
     let r = catch_unwind(AssertUnwindSafe(f));
+    IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner()).retain(|(id, _, _)| *id != me);
     let dt = t.elapsed();
     match r {
         Ok(v) if dt <= case_limit() => Ok(v),

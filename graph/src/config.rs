@@ -546,7 +546,7 @@ impl ModelConfig {
         nz(self.vocab_size, "vocab_size")?;
         nz(self.sliding_window, "sliding_window")?;
         for (v, name, limit) in [
-            (self.num_layers, "num_hidden_layers", 4096),
+            (self.num_layers, "num_hidden_layers", 256),
             (self.hidden_size, "hidden_size", 1 << 20),
             (self.head_dim, "head_dim", 4096),
             (self.vocab_size, "vocab_size", 1 << 24),
