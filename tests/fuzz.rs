@@ -21,6 +21,33 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use serde_json::{json, Value};
 
+/// Largest single allocation a case may make: beyond it the allocator names the cases in
+/// flight and refuses (the process aborts), so an absurd size fails on any machine.
+const MAX_ALLOC: usize = 1 << 31;
+
+struct Capped;
+
+// SAFETY: forwards to the system allocator; only refuses (null) sizes beyond MAX_ALLOC.
+unsafe impl std::alloc::GlobalAlloc for Capped {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        if l.size() > MAX_ALLOC {
+            if let Ok(v) = IN_FLIGHT.try_lock() {
+                for (_, _, what) in v.iter() {
+                    eprintln!("fuzz case allocates {} bytes on input: {what}", l.size());
+                }
+            }
+            return std::ptr::null_mut();
+        }
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Capped = Capped;
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
