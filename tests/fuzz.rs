@@ -8,6 +8,7 @@
 //! `MARKBASE_FUZZ_CASES=<n>` sets the number of generated cases per target
 //! (default 1024); `MARKBASE_FUZZ_SECS=<s>` the time one case may take (default 20).
 
+use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,8 +33,9 @@ unsafe impl std::alloc::GlobalAlloc for Capped {
     unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
         if l.size() > MAX_ALLOC {
             if let Ok(v) = IN_FLIGHT.try_lock() {
+                // Straight to the stream: the test harness's captured output is lost on abort.
                 for (_, _, what) in v.iter() {
-                    eprintln!("fuzz case allocates {} bytes on input: {what}", l.size());
+                    let _ = writeln!(std::io::stderr(), "fuzz case allocates {} bytes on input: {what}", l.size());
                 }
             }
             return std::ptr::null_mut();
@@ -103,7 +105,7 @@ fn watchdog() {
             std::thread::sleep(Duration::from_millis(500));
             let v = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((_, t, what)) = v.iter().find(|(_, t, _)| t.elapsed() > 2 * case_limit()) {
-                eprintln!("fuzz case hangs (running for {:?}) on input: {what}", t.elapsed());
+                let _ = writeln!(std::io::stderr(), "fuzz case hangs (running for {:?}) on input: {what}", t.elapsed());
                 std::process::exit(101);
             }
         });
