@@ -463,7 +463,7 @@ fn graph_dumps_show_the_phases_that_run() {
 #[test]
 fn oversized_config_values_name_the_field_and_the_limit() {
     for (field, value, want) in [
-        ("num_hidden_layers", "1000000", "field `num_hidden_layers`: 1000000 exceeds the largest value markbase accepts, 4096"),
+        ("num_hidden_layers", "1000000", "field `num_hidden_layers`: 1000000 exceeds the largest value markbase accepts, 256"),
         ("hidden_size", "1000000000000000", "field `hidden_size`: 1000000000000000 is beyond any model"),
         ("vocab_size", "-3", "field `vocab_size`: expected a non-negative integer, got -3"),
     ] {

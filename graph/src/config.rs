@@ -289,6 +289,18 @@ fn rope_from_params(p: &Value, default: RopeSpec) -> RopeSpec {
     r
 }
 
+/// Most layers markbase builds (real Gemma models have fewer than 100; the graph passes
+/// take seconds beyond a few hundred).
+pub const MAX_LAYERS: usize = 256;
+
+/// Refuses a layer count beyond [`MAX_LAYERS`] before per-layer lists are allocated.
+fn check_layers(n: usize, f: &Fields) -> Result<(), ConfigError> {
+    if n > MAX_LAYERS {
+        return Err(field_err(&f.name("num_hidden_layers"), format!("{n} exceeds the largest value markbase accepts, {MAX_LAYERS}")));
+    }
+    Ok(())
+}
+
 impl ModelConfig {
     /// Parses the text of a `config.json`.
     pub fn from_json_str(s: &str) -> Result<Self, ConfigError> {
@@ -396,6 +408,7 @@ impl ModelConfig {
         let mut c = Self::base(Family::Gemma3);
         c.hidden_size = f.usize_or("hidden_size", 1152)?;
         c.num_layers = f.usize_or("num_hidden_layers", 26)?;
+        check_layers(c.num_layers, f)?;
         let i = f.usize_or("intermediate_size", 6912)?;
         c.intermediate = vec![i; c.num_layers];
         let (dh, dkv) = if wrapper { (8, 4) } else { (4, 1) };
@@ -447,6 +460,7 @@ impl ModelConfig {
         let mut c = Self::base(Family::Gemma4);
         c.hidden_size = f.usize_or("hidden_size", 1536)?;
         c.num_layers = f.usize_or("num_hidden_layers", 35)?;
+        check_layers(c.num_layers, f)?;
         let i = f.usize_or("intermediate_size", 6144)?;
         c.intermediate = vec![i; c.num_layers];
         c.num_heads = f.usize_or("num_attention_heads", 8)?;
@@ -492,6 +506,7 @@ impl ModelConfig {
         let mut c = Self::base(Family::Gemma3n);
         c.hidden_size = f.usize_req("hidden_size")?;
         c.num_layers = f.usize_req("num_hidden_layers")?;
+        check_layers(c.num_layers, f)?;
         c.intermediate = match f.get("intermediate_size") {
             Some(Value::Array(a)) => {
                 let v: Option<Vec<usize>> = a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect();
@@ -546,7 +561,7 @@ impl ModelConfig {
         nz(self.vocab_size, "vocab_size")?;
         nz(self.sliding_window, "sliding_window")?;
         for (v, name, limit) in [
-            (self.num_layers, "num_hidden_layers", 4096),
+            (self.num_layers, "num_hidden_layers", MAX_LAYERS),
             (self.hidden_size, "hidden_size", 1 << 20),
             (self.head_dim, "head_dim", 4096),
             (self.vocab_size, "vocab_size", 1 << 24),
