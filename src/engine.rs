@@ -385,6 +385,12 @@ impl Session {
         self.exec.reset();
     }
 
+    /// Sets the sampler's counter: the next sampled token draws at step `step` (a prompt fed
+    /// in several calls samples its first token at step 0, as one call would).
+    pub fn set_sampler_step(&mut self, step: u32) {
+        self.steps = step;
+    }
+
     /// Whether decode steps can be pipelined (GPU, no repetition penalty needing the host's history).
     pub fn can_pipeline(&self, s: &SampleParams) -> bool {
         self.exec.pipelines() && s.repetition_penalty == 1.0
