@@ -396,7 +396,11 @@ fn gpu_streams_match_alone_and_admission_and_disconnects_work() {
         .map(|i| std::thread::spawn(move || http(addr, "POST", "/v1/completions", &[], req(i).to_string().as_bytes())))
         .collect::<Vec<_>>()
         .into_iter()
-        .map(|h| serde_json::from_str(&h.join().unwrap().2).unwrap())
+        .map(|h| {
+            let (code, _, body) = h.join().unwrap();
+            assert_eq!(code, 200, "{body}");
+            serde_json::from_str(&body).unwrap()
+        })
         .collect();
     for (a, t) in alone.iter().zip(&together) {
         assert_eq!(a["usage"]["completion_tokens"], 6, "{a}");
@@ -582,4 +586,108 @@ fn the_openai_python_client_works_against_the_server() {
     assert!(stdout.contains("all OpenAI client checks passed"), "{stdout}");
     let status = s.terminate();
     assert!(status.success(), "exit status {status}");
+}
+
+/// The scheduler itself: a long prompt is fed a chunk per step between the decode steps of a
+/// running sequence (which keeps getting tokens), and comes out as it does alone.
+#[test]
+fn long_prompts_are_prefilled_in_chunks_between_decode_steps() {
+    use markbase::engine::{DeviceKind, Engine, ModelOptions, SampleParams};
+    use markbase::server::metrics::Metrics;
+    use markbase::server::scheduler::{Event, Request, Scheduler};
+    let opts = ModelOptions { device: DeviceKind::Cpu, max_context: 1024, prefill_chunk: 16, ..Default::default() };
+    let engine = Engine::load(root().join(FIXTURE), opts).unwrap();
+    let (sched, worker) = Scheduler::start(engine, 2, 4, std::sync::Arc::new(Metrics::default())).unwrap();
+    let req = |prompt: Vec<u32>, max_tokens| Request { prompt, max_tokens, sampling: SampleParams::default(), stop: vec![], ignore_eos: true, logprobs: None };
+    let text = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>| {
+        let mut t = String::new();
+        while let Some(e) = rx.blocking_recv() {
+            match e {
+                Event::Token { text, .. } => t.push_str(&text),
+                Event::Done { .. } => return t,
+                Event::Error(e) => panic!("{e}"),
+            }
+        }
+        panic!("no Done event")
+    };
+    // 600 prompt tokens: 37 full chunks of 16, then the rest
+    let long: Vec<u32> = std::iter::once(2).chain((0..599).map(|i| 4 + (i * 37) % 500)).collect();
+    let alone = text(&mut sched.submit(req(long.clone(), 8)).unwrap());
+
+    let mut a = sched.submit(req(vec![2, 5, 9], 900)).unwrap();
+    assert!(matches!(a.blocking_recv(), Some(Event::Token { .. })));
+    let mut b = sched.submit(req(long, 8)).unwrap();
+    let mut during = 0;
+    let first_b = loop {
+        match b.try_recv() {
+            Ok(e) => break e,
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {}
+            Err(e) => panic!("{e}"),
+        }
+        while let Ok(e) = a.try_recv() {
+            assert!(matches!(e, Event::Token { .. }), "{e:?}");
+            during += 1;
+        }
+        std::thread::yield_now();
+    };
+    // one chunk per step: the running sequence got a token in (nearly) every step of the prefill
+    assert!(during >= 30, "the running sequence got {during} tokens during a 38-step prefill");
+    let mut got = match first_b {
+        Event::Token { text, .. } => text,
+        e => panic!("{e:?}"),
+    };
+    got.push_str(&text(&mut b));
+    assert_eq!(got, alone, "a prompt prefilled beside a running sequence differs from alone");
+    drop(a);
+    sched.drain();
+    worker.join().unwrap();
+}
+
+/// The real Gemma 3 270M (`tools/setup-real-model.sh` prepares models/; without it this test
+/// fails): 8 concurrent greedy streams, chat and completions, each token-identical to its
+/// request run alone.
+#[test]
+fn real_gemma3_270m_concurrent_streams_match_alone() {
+    let dir = root().join("models/gemma3-270m-q4");
+    assert!(dir.join("model.safetensors").exists(), "{} missing: run tools/setup-real-model.sh", dir.display());
+    let dir = dir.to_string_lossy().into_owned();
+    let mut args = vec!["serve", "-m", dir.as_str(), "--port", "0", "--backend", "cpu", "--parallel", "8", "--ctx-size", "512"];
+    args.extend_from_slice(&["--alias", "gemma"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_markbase")).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    let err = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(err).lines();
+    let addr: SocketAddr = loop {
+        let l = lines.next().expect("the server exited").unwrap();
+        if let Some(rest) = l.strip_prefix("listening on http://") {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while http(addr, "GET", "/health", &[], b"").0 != 200 {
+        assert!(Instant::now() < deadline, "the real model did not load");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let starts = ["The capital of France is", "Once upon a time, in a small village by the sea,", "The three primary colors are", "Water boils at"];
+    let body = move |i: usize| {
+        if i % 2 == 0 {
+            json!({"prompt": starts[i / 2 % 4], "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stream": true})
+        } else {
+            json!({"messages": [{"role": "user", "content": starts[i / 2 % 4]}], "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stream": true})
+        }
+    };
+    let run = move |i: usize| {
+        let path = if i % 2 == 0 { "/v1/completions" } else { "/v1/chat/completions" };
+        let (code, _, raw) = http(addr, "POST", path, &[], body(i).to_string().as_bytes());
+        assert_eq!(code, 200, "{raw}");
+        streamed_text(&raw, i % 2 == 1).0
+    };
+    let alone: Vec<String> = (0..8).map(run).collect();
+    let together: Vec<String> = (0..8).map(|i| std::thread::spawn(move || run(i))).collect::<Vec<_>>().into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(alone.iter().all(|t| !t.is_empty()) && alone[0] != alone[2], "{alone:?}");
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "stream {i}: concurrent output differs from alone");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }

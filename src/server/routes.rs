@@ -49,9 +49,17 @@ async fn generate(app: Arc<App>, body: Body, ep: Endpoint) -> Result<Response, A
     let r = api::parse(&bytes)?;
     app.check_model(r.model.as_deref())?;
     let ready = app.ready()?;
-    let tokenizer = ready.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "no_tokenizer", e.to_string()))?;
-    let lim = Limits { tokenizer, chat_template: ready.chat_template.as_deref(), max_context: ready.engine.max_context(), vocab: ready.engine.config.vocab_size };
-    let Checked { req, stream, include_usage } = api::check(r, ep, &lim, fresh_seed)?;
+    // templates and tokenization of long prompts run off the async workers
+    let a = app.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        let ready = a.ready()?;
+        let tokenizer = ready.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "no_tokenizer", e.to_string()))?;
+        let lim = Limits { tokenizer, chat_template: ready.chat_template.as_deref(), max_context: ready.engine.max_context(), vocab: ready.engine.config.vocab_size };
+        api::check(r, ep, &lim, fresh_seed)
+    })
+    .await
+    .map_err(|_| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "internal error while reading the request"))?;
+    let Checked { req, stream, include_usage } = checked?;
     let logprobs = req.logprobs.is_some();
     let rx = ready.scheduler.submit(req).map_err(|e| match e {
         Refused::Full => ApiError::status(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "queue_full", "the server is at capacity (every slot runs and the queue is full); retry later").retry(1),

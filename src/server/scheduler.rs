@@ -227,7 +227,16 @@ impl Worker {
             for job in jobs {
                 self.admit(job);
             }
-            self.step();
+            // a bug in a step fails the running requests, not the server
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step())).is_err() {
+                for i in 0..self.slots.len() {
+                    if let Some(seq) = &self.slots[i].seq {
+                        let _ = seq.job.tx.send(Event::Error("internal error in the scheduler step".into()));
+                        self.slots[i].session.reset();
+                        self.finish_slot(i, None);
+                    }
+                }
+            }
         }
     }
 
@@ -431,6 +440,8 @@ impl Worker {
     /// session keeps its tokens for a later prompt with the same prefix.
     fn finish_slot(&mut self, i: usize, finish: Option<Finish>) {
         let Some(mut seq) = self.slots[i].seq.take() else { return };
+        // the slot is free before the client hears of the end: its next request is admitted
+        self.release(1);
         let m = &self.shared.metrics;
         m.running.fetch_sub(1, Relaxed);
         m.e2e.observe(seq.job.arrived.elapsed().as_secs_f64());
@@ -446,7 +457,6 @@ impl Worker {
             }
             None => m.finished(if seq.job.tx.is_closed() { "cancelled" } else { "error" }),
         }
-        self.release(1);
     }
 
     fn release(&self, n: usize) {
