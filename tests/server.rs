@@ -425,6 +425,21 @@ fn gpu_streams_match_alone_and_admission_and_disconnects_work() {
     }
     assert!(s.metric("markbase_generation_tokens_total") - before < 1000.0, "the cancelled streams ran to their end");
     assert_eq!(s.metric("markbase_num_requests_running"), 0.0);
+    // so does a client waiting for a whole answer
+    let before = s.metric("markbase_generation_tokens_total");
+    let mut whole = TcpStream::connect(s.addr).unwrap();
+    let body = json!({"prompt": [2, 5, 9], "max_tokens": 500, "ignore_eos": true}).to_string();
+    write!(whole, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    while s.metric("markbase_generation_tokens_total") == before {
+        assert!(Instant::now() < deadline, "the request did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(whole);
+    while s.metric("markbase_requests_finished_total{reason=\"cancelled\"}") < 3.0 {
+        assert!(Instant::now() < deadline, "the abandoned request was not freed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(s.metric("markbase_generation_tokens_total") - before < 500.0, "the abandoned request ran to its end");
     let (code, v) = s.post("/v1/completions", &json!({"prompt": "w1", "max_tokens": 2}));
     assert_eq!(code, 200, "{v}");
 }
