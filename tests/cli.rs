@@ -268,6 +268,17 @@ fn prompts_come_from_files_and_stdin() {
     fails_with(&[&args[..], &["-f", "/nonexistent/prompt.txt"]].concat(), "/nonexistent/prompt.txt");
 }
 
+/// Control characters in a prompt (ESC sequences, CR, BEL, a C1 CSI) reach the terminal
+/// as visible escapes, never raw; newlines and tabs stay.
+#[test]
+fn control_characters_are_not_echoed_raw() {
+    let prompt = "w1\x1b[2J\x1b]0;title\x07 w2\rw3\u{9b}31m\tw4\nw5";
+    let (ok, out, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", prompt, "--max-tokens", "2"]);
+    assert!(ok, "{err}");
+    assert!(!out.chars().any(|c| c.is_control() && c != '\n' && c != '\t'), "{out:?}");
+    assert!(out.starts_with("w1\\u{1b}[2J\\u{1b}]0;title\\u{7} w2\\u{d}w3\\u{9b}31m\tw4\nw5"), "{out:?}");
+}
+
 #[test]
 fn what_is_not_a_checkpoint_is_named_with_the_way_to_get_one() {
     let gguf = std::env::temp_dir().join(format!("markbase-{}.gguf", std::process::id()));
