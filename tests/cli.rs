@@ -128,6 +128,13 @@ fn bench_runs_on_gpu_and_cpu() {
     }
     // a decode step is one phase: one submission
     assert!(rows.iter().any(|r| r["submits_per_step"] == 1), "{out}");
+    // progress within each backend, as each run finishes, with the time still to go
+    for dev in ["cpu", "gpu: llvmpipe"] {
+        for line in ["warmed up in ", "prefill run 1/1: ", "decode run 1/1: "] {
+            assert!(err.lines().any(|l| l.starts_with(dev) && l.contains(line)), "{dev} {line}: {err}");
+        }
+        assert!(err.lines().any(|l| l.starts_with(dev) && l.contains("s to go")), "{dev}: {err}");
+    }
 }
 
 #[test]
