@@ -195,6 +195,18 @@ fn formats_decode_to_the_same_samples() {
     let nb: f64 = wav.samples.iter().map(|&b| (b as f64).powi(2)).sum();
     let corr = dot / (na * nb).sqrt();
     assert!(corr > 0.95, "Vorbis decode correlates {corr} with the source");
+    // MP3 (LAME, 48 kb/s): the encoder adds a delay and pads the last frame; find the lag.
+    let mp3 = audio::decode_file(&dir().join("speech_16k.mp3"), 600.0).unwrap();
+    assert_eq!((mp3.rate, mp3.channels), (16_000, 1));
+    assert!(mp3.samples.len() >= wav.samples.len() && mp3.samples.len() <= wav.samples.len() + 3 * 576, "MP3 length {}", mp3.samples.len());
+    let best = (0..2400)
+        .map(|lag| {
+            let dot: f64 = wav.samples.iter().zip(&mp3.samples[lag..]).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let nm: f64 = mp3.samples[lag..].iter().take(wav.samples.len()).map(|&b| (b as f64).powi(2)).sum();
+            dot / (nb * nm).sqrt()
+        })
+        .fold(0.0, f64::max);
+    assert!(best > 0.95, "MP3 decode correlates {best} with the source");
     // Stereo files are averaged; 24-bit extensible and 32-bit integer files are read.
     let st = audio::decode_file(&dir().join("speech_22k_stereo.wav"), 600.0).unwrap();
     assert_eq!((st.rate, st.channels), (22_050, 2));
@@ -289,6 +301,58 @@ fn ten_hours_are_refused_before_reading() {
     drop(f);
     audio_error(decode(&p), "36000.0 s");
     std::fs::remove_file(&p).unwrap();
+}
+
+#[test]
+fn ten_hours_of_flac_are_refused_from_the_header() {
+    // STREAMINFO's 36-bit sample count set to 10 h at 16 kHz.
+    let mut b = std::fs::read(dir().join("speech_16k.flac")).unwrap();
+    assert_eq!(&b[..4], b"fLaC");
+    let total: u64 = 10 * 3600 * 16_000;
+    b[21] = (b[21] & 0xF0) | ((total >> 32) as u8 & 0x0F);
+    b[22..26].copy_from_slice(&(total as u32).to_be_bytes());
+    audio_error(decode(&tmp("10h.flac", &b)), "36000.0 s");
+}
+
+#[test]
+fn soft_token_arithmetic() {
+    // Gemma 4: valid frames through two stride-2 steps (HF's processor); 3n: always 188.
+    let fx = FeatureExtractor::new(FeatureConfig::defaults(Family::Gemma4)).unwrap();
+    let fx3 = FeatureExtractor::new(FeatureConfig::defaults(Family::Gemma3n)).unwrap();
+    for (n, frames, tokens) in [(4000usize, 25usize, 6usize), (16_000, 99, 25), (16_001, 100, 25), (480_000, 2999, 750)] {
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.1).sin() * 0.1).collect();
+        let f = fx.extract(&x).unwrap();
+        assert_eq!((f.frames, f.soft_tokens), (frames, tokens), "{n} samples");
+        assert_eq!(fx3.extract(&x).unwrap().soft_tokens, 188);
+    }
+}
+
+#[test]
+fn features_command_writes_npy() {
+    let out = std::env::temp_dir().join(format!("markbase-audio-cli-{}.npy", std::process::id()));
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_markbase"))
+        .args(["features", "--audio"])
+        .arg(dir().join("speech_22k_stereo.wav"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("133 frames (133 valid), 34 audio soft tokens"), "{text}");
+    let b = std::fs::read(&out).unwrap();
+    let want = FeatureExtractor::new(FeatureConfig::defaults(Family::Gemma4)).unwrap().extract(&load16k("speech_22k_stereo.wav")).unwrap();
+    let got: Vec<f32> = b[b.len() - want.data.len() * 4..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    assert_eq!(got, want.data);
+    std::fs::remove_file(&out).unwrap();
+    // Errors are messages, not panics.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_markbase"))
+        .args(["features", "--audio", "/nonexistent.wav", "--out"])
+        .arg(std::env::temp_dir().join("x.npy"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot open"));
 }
 
 #[test]

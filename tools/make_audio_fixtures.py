@@ -3,7 +3,7 @@
 tones) as WAV/FLAC/OGG files, and what HF transformers' Gemma 4 and Gemma 3n audio feature
 extractors compute from them (log-mel features, frame masks, soft-token counts) as .npy.
 
-Needs: numpy, scipy, transformers (no torch), and the espeak-ng and sox programs.
+Needs: numpy, scipy, lameenc, transformers (no torch), and the espeak-ng and sox programs.
 
     python tools/make_audio_fixtures.py [--out tests/fixtures/audio]
 
@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import types
 
+import lameenc
 import numpy as np
 import scipy.io.wavfile
 import transformers
@@ -114,6 +115,13 @@ def main():
     # The same clip as FLAC (lossless: the same samples) and OGG/Vorbis (lossy).
     subprocess.run(["sox", p, os.path.join(args.out, "speech_16k.flac")], check=True)
     subprocess.run(["sox", p, "-C", "3", os.path.join(args.out, "speech_16k.ogg")], check=True)
+    enc = lameenc.Encoder()
+    enc.set_bit_rate(48)
+    enc.set_in_sample_rate(RATE)
+    enc.set_channels(1)
+    enc.set_quality(2)
+    with open(os.path.join(args.out, "speech_16k.mp3"), "wb") as f:
+        f.write(enc.encode(y.tobytes()) + enc.flush())
 
     # 2. Speech at 22050 Hz, stereo, 16-bit: left the voice, right the voice at 0.6 delayed 2 ms.
     rate, x = speak("Markbase hears speech at any rate.", tmp, speed=230)
