@@ -274,6 +274,50 @@ fn truncated_and_corrupt_files_are_refused() {
     audio_error(decode(&tmp("cut.flac", &std::fs::read(dir().join("speech_16k.flac")).unwrap()[..n / 2])), "truncated");
 }
 
+/// Mutated files (bytes overwritten, cut short, chunks of a header duplicated) give samples
+/// or an error, never a panic; decoded lengths stay within the duration limit.
+#[test]
+fn mutated_files_never_panic() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    for file in ["speech_16k.wav", "speech_16k.flac", "speech_16k.ogg", "speech_16k.mp3", "tone1k_48k_s24.wav"] {
+        let good = std::fs::read(dir().join(file)).unwrap();
+        let ext = file.rsplit('.').next().unwrap();
+        let (mut ok, mut refused) = (0, 0);
+        for case in 0..60 {
+            let mut b = good.clone();
+            match case % 3 {
+                0 => {
+                    for _ in 0..rng.gen_range(1..8) {
+                        let i = rng.gen_range(0..b.len().min(256));
+                        b[i] = rng.gen();
+                    }
+                }
+                1 => {
+                    let i = rng.gen_range(0..b.len());
+                    let n = rng.gen_range(1..64).min(b.len() - i);
+                    for v in &mut b[i..i + n] {
+                        *v = rng.gen();
+                    }
+                }
+                _ => b.truncate(rng.gen_range(0..b.len())),
+            }
+            let p = tmp(&format!("mut{case}.{ext}"), &b);
+            let r = std::panic::catch_unwind(|| audio::decode_file(&p, 60.0));
+            match r {
+                Ok(Ok(d)) => {
+                    assert!(d.samples.len() as f64 <= 60.0 * d.rate as f64);
+                    ok += 1;
+                }
+                Ok(Err(Error::Audio(_))) => refused += 1,
+                Ok(Err(e)) => panic!("{file} case {case}: not an audio error: {e:?}"),
+                Err(_) => panic!("{file} case {case}: the reader panicked"),
+            }
+        }
+        eprintln!("{file}: {ok} decoded, {refused} refused");
+    }
+}
+
 #[test]
 fn absurd_headers_cost_no_memory() {
     // The data chunk claims 4 GB in a 100-byte file.

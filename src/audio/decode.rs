@@ -31,8 +31,14 @@ fn describe(name: &str, e: SymError) -> Error {
     }
 }
 
-/// Decodes the first audio track of `file` to mono f32 at the stream's rate.
+/// Decodes the first audio track of `file` to mono f32 at the stream's rate. A panic inside
+/// the decoder on a malformed stream is turned into an error.
 pub(crate) fn read(file: std::fs::File, path: &Path, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_stream(file, path, name, max_seconds)))
+        .unwrap_or_else(|_| Err(audio_err(format!("{name}: corrupt audio data (the decoder failed on it)"))))
+}
+
+fn read_stream(file: std::fs::File, path: &Path, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
     let mut hint = Hint::new();
     if let Some(ext) = path.extension().and_then(|e| e.to_str()) {
         hint.with_extension(ext);

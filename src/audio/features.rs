@@ -56,7 +56,7 @@ pub struct FeatureConfig {
     pub per_bin_mean: Option<Vec<f64>>,
     pub per_bin_stddev: Option<Vec<f64>>,
     pub padding_value: f64,
-    /// The most samples one clip may have (30 s at 16 kHz).
+    /// The most samples one clip may have (30 s at 16 kHz); 0 for no limit.
     pub max_length: usize,
     pub pad_to_multiple_of: usize,
     /// Gemma 4: the cap on soft tokens per clip; Gemma 3n: the fixed count per clip.
@@ -381,8 +381,10 @@ impl FeatureExtractor {
         if samples.is_empty() {
             return Err(audio_err("the clip holds no samples".into()));
         }
-        if samples.len() > c.max_length {
-            return Err(split_clip(samples, c.max_length, c.sampling_rate, LongClips::Refuse).unwrap_err());
+        if c.max_length > 0 && samples.len() > c.max_length {
+            return split_clip(samples, c.max_length, c.sampling_rate, LongClips::Refuse).and_then(|_| {
+                Err(audio_err(format!("the clip is longer than {} samples", c.max_length)))
+            });
         }
         if let Some(i) = samples.iter().position(|s| !s.is_finite()) {
             return Err(audio_err(format!("the clip holds a non-finite sample (NaN or infinity) at {i}")));
@@ -427,6 +429,11 @@ impl FeatureExtractor {
             )));
         }
         let bins = c.feature_size;
+        if frames.saturating_mul(bins) > 1 << 28 {
+            return Err(Error::Config(format!(
+                "audio feature extractor: {frames} frames of {bins} bins is more than this extractor makes at once"
+            )));
+        }
         let mut data = vec![0.0f32; frames * bins];
         let nfft = c.fft_length();
         let mut buf = self.fft.make_input_vec();
