@@ -214,6 +214,40 @@ fn formats_decode_to_the_same_samples() {
     assert_eq!((s24.rate, s24.channels, s24.samples.len()), (48_000, 1, 14_400));
 }
 
+#[test]
+fn wav_variants_decode_exactly() {
+    // 8-bit unsigned: 0 → -1, 128 → 0, 255 → 127/128.
+    let d = decode(&tmp("u8.wav", &wav_bytes(1, 1, 8_000, 8, 3, &[0, 128, 255]))).unwrap();
+    assert_eq!(d.samples, vec![-1.0, 0.0, 127.0 / 128.0]);
+    // 64-bit float.
+    let mut f64s = Vec::new();
+    for v in [0.25f64, -0.5, 1.0 / 3.0] {
+        f64s.extend_from_slice(&v.to_le_bytes());
+    }
+    let d = decode(&tmp("f64.wav", &wav_bytes(3, 1, 44_100, 64, 24, &f64s))).unwrap();
+    assert_eq!((d.rate, d.samples.clone()), (44_100, vec![0.25f32, -0.5, (1.0f64 / 3.0) as f32]));
+    // 16-bit stereo: the mean of the two channels; 24-bit negative values sign-extended.
+    let mut st = Vec::new();
+    for v in [16_384i16, -16_384, 32_767, 32_767] {
+        st.extend_from_slice(&v.to_le_bytes());
+    }
+    let d = decode(&tmp("st.wav", &wav_bytes(1, 2, 16_000, 16, 8, &st))).unwrap();
+    assert_eq!((d.channels, d.samples.clone()), (2, vec![0.0, 32_767.0 / 32_768.0]));
+    let d = decode(&tmp("s24.wav", &wav_bytes(1, 1, 16_000, 24, 6, &[0x00, 0x00, 0x80, 0xff, 0xff, 0x7f]))).unwrap();
+    assert_eq!(d.samples, vec![-1.0, 8_388_607.0 / 8_388_608.0]);
+    // An odd-sized chunk (padded to even) between fmt and data is skipped.
+    let b = wav_bytes(1, 1, 16_000, 16, 4, &[0, 64, 0, 192]);
+    let split = b.len() - 12;
+    let mut odd = b[..split].to_vec();
+    odd.extend_from_slice(b"junk\x03\0\0\0abc\0");
+    odd.extend_from_slice(&b[split..]);
+    let d = decode(&tmp("odd.wav", &odd)).unwrap();
+    assert_eq!(d.samples, vec![0.5, -0.5]);
+    // A data chunk declared as 0xFFFFFFFF (a stream written without seeking) runs to the end.
+    let d = decode(&tmp("stream.wav", &wav_bytes(1, 1, 16_000, 16, u32::MAX, &[0, 64, 0, 192]))).unwrap();
+    assert_eq!(d.samples, vec![0.5, -0.5]);
+}
+
 // ---- bad input --------------------------------------------------------------------------
 
 fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
