@@ -477,6 +477,12 @@ fn long_clips_are_refused_split_or_truncated() {
     let fx3 = FeatureExtractor::new(FeatureConfig::defaults(Family::Gemma3n)).unwrap();
     let p3 = fx3.extract_clip(&x, LongClips::Split).unwrap();
     assert_eq!(p3.iter().map(|p| p.soft_tokens).collect::<Vec<_>>(), vec![188, 188, 188]);
+    // A tail too short for one frame is left out of a split (300 samples: none for 3n, one
+    // valid frame for Gemma 4).
+    let y = &x[..960_300];
+    assert_eq!(fx3.extract_clip(y, LongClips::Split).unwrap().len(), 2);
+    let p4 = fx.extract_clip(y, LongClips::Split).unwrap();
+    assert_eq!((p4.len(), p4[2].soft_tokens), (3, 1));
 }
 
 // ---- settings ---------------------------------------------------------------------------

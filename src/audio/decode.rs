@@ -100,7 +100,7 @@ fn read_stream(file: std::fs::File, path: &Path, name: &str, max_seconds: f64) -
         let ch = spec.channels.count().max(1);
         channels = ch as u16;
         let frames = decoded.frames();
-        if buf.as_ref().map_or(true, |b| b.capacity() < decoded.capacity() * ch) {
+        if buf.as_ref().is_none_or(|b| b.capacity() < decoded.capacity() * ch) {
             buf = Some(SampleBuffer::new(decoded.capacity() as u64, spec));
         }
         let b = buf.as_mut().expect("buffer allocated above");

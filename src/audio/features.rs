@@ -375,6 +375,34 @@ impl FeatureExtractor {
         }
     }
 
+    /// For a clip of `n` samples: the left padding, the padded length (a multiple of
+    /// `pad_to_multiple_of`) and the validity of each frame. A frame spans `frame_length + 1`
+    /// samples of the left-padded waveform; the sample deciding its validity is its last one
+    /// (Gemma 4) or its first one (Gemma 3n).
+    fn frame_plan(&self, n: usize) -> (usize, usize, Vec<bool>) {
+        let c = &self.cfg;
+        let (fl, hop) = (c.frame_length(), c.hop_length());
+        let multiple = c.pad_to_multiple_of.max(1);
+        let padded = n.div_ceil(multiple) * multiple;
+        let left = match c.family {
+            Family::Gemma4 => fl / 2,
+            Family::Gemma3n => 0,
+        };
+        let span = fl + 1;
+        let total = left + padded;
+        let frames = if total >= span { (total - span) / hop + 1 } else { 0 };
+        let mask = (0..frames)
+            .map(|t| {
+                let probe = match c.family {
+                    Family::Gemma4 => t * hop + span - 1,
+                    Family::Gemma3n => t * hop,
+                };
+                probe >= left && probe - left < n
+            })
+            .collect();
+        (left, padded, mask)
+    }
+
     /// Features of one clip of at most `max_length` samples at `sampling_rate` Hz.
     pub fn extract(&self, samples: &[f32]) -> Result<Features, Error> {
         let c = &self.cfg;
@@ -391,12 +419,16 @@ impl FeatureExtractor {
         }
         let fl = c.frame_length();
         let hop = c.hop_length();
-        let multiple = c.pad_to_multiple_of.max(1);
-        let padded = samples.len().div_ceil(multiple) * multiple;
-        let left = match c.family {
-            Family::Gemma4 => fl / 2,
-            Family::Gemma3n => 0,
-        };
+        let span = fl + 1;
+        let (left, padded, mask) = self.frame_plan(samples.len());
+        let frames = mask.len();
+        if !mask.iter().any(|&v| v) {
+            return Err(audio_err(format!(
+                "the clip is too short: {} samples give no complete {} ms frame",
+                samples.len(),
+                c.frame_length_ms
+            )));
+        }
         // The padded waveform, scaled in f32 as HF scales it.
         let scale = c.input_scale_factor as f32;
         let mut x = vec![0.0f32; left + padded];
@@ -408,25 +440,6 @@ impl FeatureExtractor {
         }
         if c.input_scale_factor != 1.0 {
             x.iter_mut().for_each(|v| *v *= scale);
-        }
-        let span = fl + 1;
-        let frames = if x.len() >= span { (x.len() - span) / hop + 1 } else { 0 };
-        let mask: Vec<bool> = (0..frames)
-            .map(|t| {
-                // Position, in the clip, of the sample deciding the frame's validity.
-                let probe = match c.family {
-                    Family::Gemma4 => t * hop + span - 1,
-                    Family::Gemma3n => t * hop,
-                };
-                probe >= left && probe - left < samples.len()
-            })
-            .collect();
-        if !mask.iter().any(|&v| v) {
-            return Err(audio_err(format!(
-                "the clip is too short: {} samples give no complete {} ms frame",
-                samples.len(),
-                c.frame_length_ms
-            )));
         }
         let bins = c.feature_size;
         if frames.saturating_mul(bins) > 1 << 28 {
@@ -490,11 +503,14 @@ impl FeatureExtractor {
         Ok(Features { frames, bins, data, mask, soft_tokens, samples: samples.len() })
     }
 
-    /// Features of a clip of any length: one [`Features`] per piece after `policy`.
+    /// Features of a clip of any length: one [`Features`] per piece after `policy`. When
+    /// splitting, a last piece too short to give one valid frame (about 10 ms for Gemma 4,
+    /// 24 ms for Gemma 3n) is left out.
     pub fn extract_clip(&self, samples: &[f32], policy: LongClips) -> Result<Vec<Features>, Error> {
-        split_clip(samples, self.cfg.max_length, self.cfg.sampling_rate, policy)?
-            .into_iter()
-            .map(|piece| self.extract(piece))
-            .collect()
+        let mut pieces = split_clip(samples, self.cfg.max_length, self.cfg.sampling_rate, policy)?;
+        if pieces.len() > 1 && !self.frame_plan(pieces[pieces.len() - 1].len()).2.contains(&true) {
+            pieces.pop();
+        }
+        pieces.into_iter().map(|piece| self.extract(piece)).collect()
     }
 }

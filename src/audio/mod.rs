@@ -134,7 +134,7 @@ pub fn load(path: &std::path::Path, opts: &LoadOptions) -> Result<Vec<f32>, Erro
 
 /// Applies `policy` to a clip of `samples` for an extractor taking at most `max_length`
 /// samples: one piece when it fits, else refused, cut into pieces, or truncated.
-pub fn split_clip<'a>(samples: &'a [f32], max_length: usize, rate: u32, policy: LongClips) -> Result<Vec<&'a [f32]>, Error> {
+pub fn split_clip(samples: &[f32], max_length: usize, rate: u32, policy: LongClips) -> Result<Vec<&[f32]>, Error> {
     if samples.is_empty() {
         return Err(audio_err("the clip holds no samples".into()));
     }

@@ -27,7 +27,7 @@ pub fn resample(samples: &[f32], from: u32, to: u32) -> Result<Vec<f32>, Error> 
     let periods = BLOCK.div_ceil(period).next_multiple_of(2);
     let mut r = FftFixedInOut::<f64>::new(from as usize, to as usize, periods * period, 1).map_err(|e| err(&e))?;
     let block = r.input_frames_next();
-    if block % 2 != 0 || (block / 2 * to as usize) % from as usize != 0 {
+    if block % 2 != 0 || !(block / 2 * to as usize).is_multiple_of(from as usize) {
         return Err(err(&format!("block of {block} samples has no whole-sample delay")));
     }
     let delay = block / 2 * to as usize / from as usize;
