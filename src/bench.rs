@@ -86,18 +86,33 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
         bytes_per_token(c, &weights)
     };
     // Warm-up: build every graph and pipeline once.
+    let dev_name = short_device(&dev);
+    let t_warm = std::time::Instant::now();
     m.reset();
     let mut tok = m.forward(&prompt, false, None)?.token;
-    for _ in 0..4.min(o.gen) {
+    // the first decode step builds the decode graph; the others time a step
+    tok = m.forward(&[tok], false, None)?.token;
+    let warm_decode = 4.min(o.gen).saturating_sub(1);
+    let t_warm_decode = std::time::Instant::now();
+    for _ in 0..warm_decode {
         tok = m.forward(&[tok], false, None)?.token;
     }
+    let step_s = t_warm_decode.elapsed().as_secs_f64() / warm_decode.max(1) as f64;
+    eprintln!("{dev_name}: warmed up in {:.1}s (graphs and pipelines built)", t_warm.elapsed().as_secs_f64());
     // Prefill.
     let mut pre = vec![];
-    for _ in 0..o.runs.max(1) {
+    for i in 0..o.runs.max(1) {
         m.reset();
         let t = std::time::Instant::now();
         m.forward(&prompt, false, None)?;
         pre.push(t.elapsed().as_secs_f64());
+        let ahead = if i == 0 {
+            // the rest, from this run and the warm-up's decode steps
+            format!(", about {:.0}s to go", pre[0] * (o.runs - 1) as f64 + step_s * (o.runs * o.gen) as f64)
+        } else {
+            String::new()
+        };
+        eprintln!("{dev_name}: prefill run {}/{}: {:.1} tok/s{ahead}", i + 1, o.runs, o.prompt as f64 / pre[i]);
     }
     let prefill_s = median(&mut pre);
     // Decode.
@@ -131,6 +146,7 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
         }
         let _ = tok;
         rates.push(o.gen as f64 / t.elapsed().as_secs_f64());
+        eprintln!("{dev_name}: decode run {}/{}: {:.1} tok/s", rates.len(), o.runs, rates[rates.len() - 1]);
     }
     let mut r2 = rates.clone();
     let decode = median(&mut r2);

@@ -165,6 +165,19 @@ pub fn read_prompt(text: Option<&str>, file: Option<&Path>) -> Result<String, St
     }
 }
 
+/// Text as the CLI prints it: control characters other than newline and tab (ESC, CR,
+/// backspace, BEL, the C1 range) are shown as escapes such as `\u{1b}`, so that a prompt or a
+/// generated piece cannot move the cursor, recolour or clear the terminal.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return s.into();
+    }
+    s.chars()
+        .map(|c| if c.is_control() && c != '\n' && c != '\t' { c.escape_unicode().to_string() } else { c.to_string() })
+        .collect::<String>()
+        .into()
+}
+
 /// A rate over an interval, or `n/a` where there is none.
 fn rate(n: usize, seconds: f64) -> String {
     if n == 0 || seconds <= 0.0 {
@@ -205,7 +218,7 @@ fn stream(g: &mut crate::model::Generation<'_>, reply: &mut String) -> Result<St
         last = now;
         n += 1;
         reply.push_str(&p.text);
-        let _ = write!(out, "{}", p.text);
+        let _ = write!(out, "{}", printable(&p.text));
         let _ = out.flush();
     }
     let _ = writeln!(out);
@@ -225,7 +238,7 @@ pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Resu
     let mut g = m.generate(&ids, params)?;
     {
         let mut out = std::io::stdout().lock();
-        let _ = write!(out, "{}", if chat { "" } else { prompt });
+        let _ = write!(out, "{}", if chat { "".into() } else { printable(prompt) });
         let _ = out.flush();
     }
     let s = stream(&mut g, &mut String::new())?;

@@ -19,10 +19,13 @@ pub enum Error {
     /// Sampling parameters.
     #[error("{0}")]
     Sampling(String),
+    /// An audio clip: its file, format, samples or length.
+    #[error("{0}")]
+    Audio(String),
 }
 
 impl Error {
-    /// The kind as a word (`load`, `config`, `device`, `input`, `sampling`).
+    /// The kind as a word (`load`, `config`, `device`, `input`, `sampling`, `audio`).
     pub fn kind(&self) -> &'static str {
         match self {
             Error::Load(_) => "load",
@@ -30,6 +33,7 @@ impl Error {
             Error::Device(_) => "device",
             Error::Input(_) => "input",
             Error::Sampling(_) => "sampling",
+            Error::Audio(_) => "audio",
         }
     }
 }

@@ -2,6 +2,7 @@
 //! model's `config.json` into an op graph (crate `markbase-graph`), and runs it
 //! on the GPU through wgpu/WGSL, or on the CPU reference executor.
 
+pub mod audio;
 pub mod bench;
 pub mod cli;
 pub mod cpu;

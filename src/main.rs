@@ -205,6 +205,24 @@ enum Cmd {
         #[arg(long, value_name = "K")]
         top: Option<usize>,
     },
+    /// Write the log-mel features of an audio clip (what the audio tower takes) as .npy.
+    Features {
+        /// WAV, FLAC, MP3 or OGG file (any rate, mono or stereo).
+        #[arg(long)]
+        audio: PathBuf,
+        /// The .npy file to write, [frames, mel bins] f32 (pieces of a split clip: OUT.1.npy, ...).
+        #[arg(long)]
+        out: PathBuf,
+        /// Checkpoint whose processor config gives the settings (else --family's defaults).
+        #[arg(short = 'm', long = "model")]
+        model: Option<PathBuf>,
+        /// gemma4 | gemma3n, when no checkpoint is given.
+        #[arg(long, default_value = "gemma4")]
+        family: String,
+        /// Clips over 30 s: refuse | split | truncate.
+        #[arg(long, default_value = "refuse")]
+        long: String,
+    },
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error.
@@ -305,6 +323,9 @@ fn main() -> ExitCode {
             }
             Ok(())
         })(),
+        Cmd::Features { audio, out: path, model, family, long } => {
+            markbase::audio::features_command(&audio, &path, model.as_deref(), &family, &long).map(|s| out(&s))
+        }
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -128,6 +128,13 @@ fn bench_runs_on_gpu_and_cpu() {
     }
     // a decode step is one phase: one submission
     assert!(rows.iter().any(|r| r["submits_per_step"] == 1), "{out}");
+    // progress within each backend, as each run finishes, with the time still to go
+    for dev in ["cpu", "gpu: llvmpipe"] {
+        for line in ["warmed up in ", "prefill run 1/1: ", "decode run 1/1: "] {
+            assert!(err.lines().any(|l| l.starts_with(dev) && l.contains(line)), "{dev} {line}: {err}");
+        }
+        assert!(err.lines().any(|l| l.starts_with(dev) && l.contains("s to go")), "{dev}: {err}");
+    }
 }
 
 #[test]
@@ -266,6 +273,17 @@ fn prompts_come_from_files_and_stdin() {
     fails_with(&[&args[..], &["-p", "w1", "-f", "x.txt"]].concat(), "give the prompt once");
     fails_with(&args, "no prompt");
     fails_with(&[&args[..], &["-f", "/nonexistent/prompt.txt"]].concat(), "/nonexistent/prompt.txt");
+}
+
+/// Control characters in a prompt (ESC sequences, CR, BEL, a C1 CSI) reach the terminal
+/// as visible escapes, never raw; newlines and tabs stay.
+#[test]
+fn control_characters_are_not_echoed_raw() {
+    let prompt = "w1\x1b[2J\x1b]0;title\x07 w2\rw3\u{9b}31m\tw4\nw5";
+    let (ok, out, err) = run(&["generate", "-m", Q4, "--backend", "cpu", "-p", prompt, "--max-tokens", "2"]);
+    assert!(ok, "{err}");
+    assert!(!out.chars().any(|c| c.is_control() && c != '\n' && c != '\t'), "{out:?}");
+    assert!(out.starts_with("w1\\u{1b}[2J\\u{1b}]0;title\\u{7} w2\\u{d}w3\\u{9b}31m\tw4\nw5"), "{out:?}");
 }
 
 #[test]

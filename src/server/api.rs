@@ -182,7 +182,7 @@ pub fn check(r: ApiRequest, ep: Endpoint, lim: &Limits, seed_source: impl FnOnce
     }
     for (v, name) in [(r.presence_penalty, "presence_penalty"), (r.frequency_penalty, "frequency_penalty")] {
         if v.is_some_and(|p| p != 0.0) {
-            return Err(ApiError::bad(format!("{name} is not supported (use repetition_penalty)")).param(if name.starts_with('p') { "presence_penalty" } else { "frequency_penalty" }));
+            return Err(ApiError::bad(format!("{name} is not supported (use repetition_penalty)")).param(name));
         }
     }
     if r.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {

@@ -224,7 +224,8 @@ fn stream_reply(reply: Reply, mut rx: UnboundedReceiver<Event>, include_usage: b
         }
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
     });
-    Sse::new(tokio_stream::wrappers::ReceiverStream::new(out)).into_response()
+    // comment lines while a long prompt prefills keep proxies and clients from timing out
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(out)).keep_alive(axum::response::sse::KeepAlive::default()).into_response()
 }
 
 pub async fn models(State(app): State<Arc<App>>) -> Response {
