@@ -77,7 +77,8 @@ impl Default for ModelOptions {
 
 /// The device side an engine's sessions share.
 enum Device {
-    Cpu,
+    /// The weights as the CPU executor reads them (dequantized once, shared by the sessions).
+    Cpu(crate::cpu::exec::CpuWeights),
     Gpu(GpuShared),
 }
 
@@ -141,7 +142,7 @@ impl Engine {
 
     fn new(config: ModelConfig, parts: Parts, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
         let device = match parts.opened {
-            Opened::Cpu => Device::Cpu,
+            Opened::Cpu => Device::Cpu(crate::cpu::exec::CpuWeights::new(weights.clone())),
             Opened::Gpu(gpu) => {
                 if let Some(f) = &opts.stage {
                     f("uploading");
@@ -167,7 +168,7 @@ impl Engine {
     /// A new sequence on this engine.
     pub fn session(self: &Arc<Self>) -> Result<Session, Error> {
         let exec: Box<dyn Executor> = match &self.device {
-            Device::Cpu => Box::new(CpuExecutor::new(self.weights.clone())),
+            Device::Cpu(w) => Box::new(CpuExecutor::with_weights(w.clone())),
             Device::Gpu(shared) => Box::new(GpuExecutor::for_session(shared)),
         };
         Ok(Session {
@@ -383,6 +384,12 @@ impl Session {
         self.unread.clear();
         self.steps = 0;
         self.exec.reset();
+    }
+
+    /// Sets the sampler's counter: the next sampled token draws at step `step` (a prompt fed
+    /// in several calls samples its first token at step 0, as one call would).
+    pub fn set_sampler_step(&mut self, step: u32) {
+        self.steps = step;
     }
 
     /// Whether decode steps can be pipelined (GPU, no repetition penalty needing the host's history).

@@ -108,6 +108,11 @@ impl CpuExecutor {
     pub fn new(weights: Arc<Weights>) -> Self {
         CpuExecutor { weights: CpuWeights::new(weights), state: CpuState::default() }
     }
+
+    /// An executor sharing `weights`' cache of dequantized weights with the others made from it.
+    pub fn with_weights(weights: CpuWeights) -> Self {
+        CpuExecutor { weights, state: CpuState::default() }
+    }
 }
 
 impl Executor for CpuExecutor {

@@ -16,6 +16,7 @@ pub mod loader;
 pub mod memory;
 pub mod model;
 pub mod quant;
+pub mod server;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;

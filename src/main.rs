@@ -186,6 +186,8 @@ enum Cmd {
         #[command(flatten)]
         fuse: FuseArgs,
     },
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(markbase::server::ServeArgs),
     /// Write the f32 logits of every position of a token sequence as .npy.
     Logits {
         #[command(flatten)]
@@ -305,6 +307,7 @@ fn main() -> ExitCode {
             let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse };
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
+        Cmd::Serve(args) => markbase::server::serve(args),
         Cmd::Logits { run, tokens, out: path, last, top } => (|| {
             let t = cli::parse_tokens(&tokens)?;
             if top == Some(0) {

@@ -109,22 +109,15 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// The checkpoint's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
     /// Renders the checkpoint's chat template.
     pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| Error::Input("this checkpoint has no chat template".into()))?;
-        let mut env = minijinja::Environment::new();
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        let template_err = |e: minijinja::Error| Error::Input(format!("chat template: {e}"));
-        env.add_template("chat", tpl).map_err(template_err)?;
-        let t = env.get_template("chat").map_err(template_err)?;
-        t.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-        })
-        .map_err(template_err)
+        render_chat_template(tpl, self.bos_token.as_deref().unwrap_or_default(), messages, add_generation_prompt)
     }
 
     /// Chat prompt ids: the rendered template (which carries its own BOS).
@@ -156,4 +149,22 @@ impl Tokenizer {
         }
         Ok(after.get(before.len()..).unwrap_or("").to_string())
     }
+}
+
+/// Renders a chat template (Jinja, as Hugging Face's `apply_chat_template` sees it) over
+/// `messages`; `raise_exception` in the template becomes an input error.
+pub fn render_chat_template(tpl: &str, bos_token: &str, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
+    let mut env = minijinja::Environment::new();
+    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    let template_err = |e: minijinja::Error| Error::Input(format!("chat template: {e}"));
+    env.add_template("chat", tpl).map_err(template_err)?;
+    let t = env.get_template("chat").map_err(template_err)?;
+    t.render(minijinja::context! {
+        messages => messages,
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token,
+    })
+    .map_err(template_err)
 }

@@ -2,6 +2,7 @@
 # The test command: `tools/test.sh` from anywhere.
 #  - installs Mesa lavapipe (software Vulkan) when no Vulkan driver is present,
 #  - fetches and converts the real Gemma 3 270M model once (cached in models/),
+#  - installs the pinned `openai` Python client (the server's tests use it),
 #  - runs every test of the workspace in release mode.
 # GPU tests fail (never skip) when no adapter can be found.
 set -euo pipefail
@@ -9,4 +10,9 @@ cd "$(dirname "$0")/.."
 source tools/gpu-env.sh
 source tools/model-cache.sh
 tools/setup-real-model.sh
+# the official OpenAI client, for the server's tests (tests/server.rs runs tests/openai_client.py)
+OPENAI_PKG="openai==3.63.0"
+if ! "${PYTHON:-python3}" -c 'import sys; from importlib.metadata import version; sys.exit(version("openai") != sys.argv[1])' "${OPENAI_PKG#*==}" 2>/dev/null; then
+  "${PYTHON:-python3}" -m pip install --disable-pip-version-check -q "$OPENAI_PKG"
+fi
 cargo test --release --workspace "$@"

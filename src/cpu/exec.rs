@@ -3,7 +3,7 @@
 //! the kernel and model tests and the `cpu` backend of the benchmarks.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use petgraph::graph::NodeIndex;
 
@@ -50,23 +50,26 @@ impl CpuState {
 }
 
 /// Dequantized weights, cached per name.
+/// Clones share the cache of dequantized weights (the sessions of one engine hold one copy).
+#[derive(Clone)]
 pub struct CpuWeights {
     pub weights: Arc<Weights>,
-    cache: HashMap<String, Arc<Vec<f32>>>,
+    cache: Arc<Mutex<HashMap<String, Arc<Vec<f32>>>>>,
 }
 
 impl CpuWeights {
     pub fn new(weights: Arc<Weights>) -> Self {
-        CpuWeights { weights, cache: HashMap::new() }
+        CpuWeights { weights, cache: Arc::default() }
     }
 
     fn full(&mut self, name: &str) -> Result<Arc<Vec<f32>>, String> {
-        if let Some(v) = self.cache.get(name) {
+        let mut cache = self.cache.lock().map_err(|_| "the dequantized weight cache is poisoned".to_string())?;
+        if let Some(v) = cache.get(name) {
             return Ok(v.clone());
         }
         let w = self.weights.get(name).ok_or_else(|| format!("weight {name} not loaded"))?;
         let v = Arc::new(quant::dequantize(w)?);
-        self.cache.insert(name.to_string(), v.clone());
+        cache.insert(name.to_string(), v.clone());
         Ok(v)
     }
 
