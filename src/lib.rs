@@ -14,9 +14,11 @@ pub mod inspect;
 pub mod loader;
 pub mod memory;
 pub mod model;
+pub mod npy;
 pub mod quant;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod vision;
 pub mod weights;
 
 pub use error::Error;

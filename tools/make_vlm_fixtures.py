@@ -253,6 +253,21 @@ def photos(d):
     return out
 
 
+def gemma4_resized(proc, img):
+    """HF's Gemma 4 processing of `img`: the resized RGB image (uint8 HWC, recovered exactly
+    from the patches, x = u8/255), the padded patches and positions, and the soft tokens."""
+    bf = proc.preprocess([img], return_tensors="np")
+    patches = np.asarray(bf["pixel_values"])[0]  # [max_patches, 768], zero-padded
+    pos = np.asarray(bf["image_position_ids"])[0]  # [max_patches, 2], (-1, -1) padding
+    real = pos[:, 0] >= 0
+    p = int(real.sum())
+    pw, ph = int(pos[real, 0].max()) + 1, int(pos[real, 1].max()) + 1
+    grid = patches[:p].reshape(ph, pw, 16, 16, 3).transpose(0, 2, 1, 3, 4).reshape(ph * 16, pw * 16, 3)
+    u8 = np.rint(grid * 255).astype(np.uint8)
+    assert np.abs(u8 / 255.0 - grid).max() < 1e-6
+    return u8, patches, pos, int(np.asarray(bf["num_soft_tokens_per_image"])[0])
+
+
 def gemma4(d):
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
@@ -280,17 +295,9 @@ def gemma4(d):
     pe = vt.patch_embedder
     softs = []
     for name, img in photos(d):
-        bf = proc.preprocess([img], return_tensors="np")
-        patches = np.asarray(bf["pixel_values"])[0]  # [max_patches, 768], zero-padded
-        pos = np.asarray(bf["image_position_ids"])[0]  # [max_patches, 2], (-1, -1) padding
-        n = int(np.asarray(bf["num_soft_tokens_per_image"])[0])
-        real = pos[:, 0] >= 0
-        p = int(real.sum())
-        pw, ph = int(pos[real, 0].max()) + 1, int(pos[real, 1].max()) + 1
-        # the resized RGB image, recovered from the patches (x = u8 / 255 exactly)
-        grid = patches[:p].reshape(ph, pw, 16, 16, 3).transpose(0, 2, 1, 3, 4).reshape(ph * 16, pw * 16, 3)
-        u8 = np.rint(grid * 255).astype(np.uint8)
-        assert np.abs(u8 / 255.0 - grid).max() < 1e-6
+        u8, patches, pos, n = gemma4_resized(proc, img)
+        p = int((pos[:, 0] >= 0).sum())
+        grid = u8 / 255.0
         refs.put(f"{name}_resized", u8, "HF Gemma4ImageProcessorPil: the RGB image after the aspect-preserving bicubic resize, uint8 HWC (pixel value = u8/255)")
         refs.put(f"{name}_positions", pos[:p].astype(np.int32), "patch positions (x, y)")
 
@@ -425,6 +432,42 @@ def gemma3(d):
     refs.close({"tokens_per_image": n})
 
 
+def quantized_variant(src, dst, mode, bits, group, vision_dtype, skip_vision=True):
+    """`src` re-stored the way `mlx_vlm.convert` writes a quantized model: the text model
+    quantized (`mode`, `bits`, `group`), the towers kept float (cast to `vision_dtype`) unless
+    `skip_vision` is off. Read back through mlx-vlm's loader; no references of its own."""
+    import mlx.nn as nn
+
+    from mlx_vlm.utils import get_class_predicate
+
+    model = load_model(src)
+    cast = {k: v.astype(vision_dtype) for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")}
+    model.load_weights(list(cast.items()), strict=False)
+    q = {"group_size": group, "bits": bits, "mode": mode}
+    base = get_class_predicate(skip_vision=skip_vision)
+    # as mlx-lm's converter: only modules whose input dim divides into groups
+    pred = lambda p, m: base(p, m) and m.weight.shape[-1] % group == 0  # noqa: E731
+    nn.quantize(model, group_size=group, bits=bits, mode=mode, class_predicate=pred)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization"] = q
+    cfg["quantization_config"] = q
+    dst.mkdir(parents=True, exist_ok=True)
+    params = dict(tree_flatten(model.parameters()))
+    params.pop("language_model.lm_head.weight", None)
+    mx.save_safetensors(str(dst / "model.safetensors"), params, metadata={"format": "mlx"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copy(src / "preprocessor_config.json", dst / "preprocessor_config.json")
+    load_model(dst)  # mlx-vlm reads it back
+
+
+VARIANTS = [
+    # (name, source, mode, bits, group, tower dtype, towers quantized too)
+    ("gemma4-q4", "gemma4", "affine", 4, 32, mx.bfloat16, False),
+    ("gemma4-mxfp4", "gemma4", "mxfp4", 4, 32, mx.bfloat16, False),
+    ("gemma3-q8-towers", "gemma3", "affine", 8, 64, mx.float16, True),
+]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["gemma4", "gemma3"], action="append")
@@ -438,6 +481,15 @@ def main():
         f(d)
         size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
         print(f"{fam}: {size / 1e6:.2f} MB in {d.relative_to(ROOT)}")
+    for name, src, mode, bits, group, vdt, towers in VARIANTS:
+        if a.only and src not in a.only:
+            continue
+        d = OUT / name
+        if d.exists():
+            shutil.rmtree(d)
+        quantized_variant(OUT / src, d, mode, bits, group, vdt, skip_vision=not towers)
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        print(f"{name}: {size / 1e6:.2f} MB in {d.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
