@@ -53,6 +53,11 @@ pub enum InputKind {
     SamplingParams,
     /// Recent token ids `u32[R]` for the repetition penalty.
     RecentTokens,
+    /// Image patches `f32[P, K]` (a vision tower's input).
+    Pixels,
+    /// Column and row of each patch `u32[P]` (a vision tower's positions).
+    PatchX,
+    PatchY,
 }
 
 /// Persistent state owned by the runtime across steps.
