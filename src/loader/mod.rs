@@ -314,6 +314,9 @@ impl Checkpoint {
                         part: Part::Whole,
                         defect: e.defect.clone(),
                     };
+                    for d in towers::derived(&info) {
+                        tower_index.insert(d.name.clone(), d);
+                    }
                     tower_index.insert(e.name.clone(), info);
                     continue;
                 }

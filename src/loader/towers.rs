@@ -5,14 +5,58 @@
 
 use std::collections::HashSet;
 
+use markbase_graph::builder::WeightResolver;
 use markbase_graph::ir::WeightParam;
+use markbase_graph::tower::{build_gemma4_tower, POSITION_TABLE};
 use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
+use markbase_graph::{Graph, WeightFormat};
+
+use super::{Part, TensorInfo};
 
 use super::{Checkpoint, LoadError, Problem, Report, Severity};
 use crate::weights::Weights;
 
 /// Prefixes of the audio tower's tensors (not supported yet: listed, never fatal).
 const AUDIO: [&str; 2] = ["audio_tower.", "embed_audio."];
+
+/// Tensors the tower graphs read that are parts of a stored one: the x and y halves of Gemma
+/// 4's `[2, N, hidden]` position table, as `[N, hidden]` tables (`<table>.x.weight`, `.y.weight`).
+pub(super) fn derived(t: &TensorInfo) -> Vec<TensorInfo> {
+    if t.name != POSITION_TABLE || t.shape.len() != 3 || t.shape[0] != 2 || t.defect.is_some() {
+        return vec![];
+    }
+    [("x", false), ("y", true)]
+        .into_iter()
+        .map(|(axis, second)| TensorInfo {
+            name: format!("{POSITION_TABLE}.{axis}.weight"),
+            shape: t.shape[1..].to_vec(),
+            part: Part::Half { second },
+            ..t.clone()
+        })
+        .collect()
+}
+
+fn is_derived(name: &str) -> bool {
+    name.strip_prefix(POSITION_TABLE).is_some_and(|r| r == ".x.weight" || r == ".y.weight")
+}
+
+/// Resolves the tower graphs' weights from the tower tensors.
+struct TowerResolver<'a>(&'a Checkpoint);
+
+impl WeightResolver for TowerResolver<'_> {
+    fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat {
+        let cp = self.0;
+        if module {
+            return cp.module_format(&cp.tower_index, name, Some(shape));
+        }
+        let dtype = cp.tower_index.get(name).and_then(|t| super::float_type(t.dtype));
+        WeightFormat::Float { dtype: dtype.unwrap_or(markbase_graph::FloatType::Bf16) }
+    }
+
+    fn exists(&self, name: &str) -> bool {
+        self.0.tower_index.contains_key(name) || self.0.tower_index.contains_key(&format!("{name}.weight"))
+    }
+}
 
 /// What the towers of a checkpoint hold.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -86,7 +130,7 @@ impl Checkpoint {
         for name in self.tower_index.keys() {
             let is_audio = audio.contains(&name.as_str());
             // HF's converter may write an unused pooler scale (never read by HF or mlx-vlm)
-            if !used.contains(name.as_str()) && !is_audio && !name.starts_with("vision_tower.pooler.") {
+            if !used.contains(name.as_str()) && !is_audio && !is_derived(name) && !name.starts_with("vision_tower.pooler.") {
                 r.push(Problem::tensor(Severity::Warning, name, pre, "unexpected tensor ignored: not used by the vision tower"));
             }
         }
@@ -109,6 +153,31 @@ impl Checkpoint {
         let params = self.vision_params(vc);
         let refs: Vec<&WeightParam> = params.iter().collect();
         self.copy_params(&self.tower_index, &refs, report, &super::LoadOptions::default())
+    }
+
+    /// The graph of the vision tower over a `rows x cols` patch grid (Gemma 4's ViT).
+    pub fn tower_graph(&self, vc: &VisionConfig, rows: usize, cols: usize) -> Result<Graph, LoadError> {
+        match vc.kind {
+            TowerKind::Gemma4Vit => build_gemma4_tower(vc, &TowerResolver(self), rows, cols).map_err(|e| LoadError::Build(e.to_string())),
+            TowerKind::Siglip => Err(LoadError::Build("the SigLIP tower does not run as a graph yet".into())),
+        }
+    }
+
+    /// Checks and copies the weights of a tower graph (see [`tower_graph`](Self::tower_graph)).
+    pub fn load_tower(&self, graph: &Graph) -> Result<(Weights, Report), LoadError> {
+        let mut r = Report::new(self.dir(), "vision_tower.encoder.");
+        let mut used = HashSet::new();
+        let mut params: Vec<&WeightParam> = vec![];
+        for (_, p) in graph.weights() {
+            if !params.iter().any(|q| q.name == p.name) {
+                self.check_param(&self.tower_index, "vision_tower.encoder.", p, &mut used, &mut r);
+                params.push(p);
+            }
+        }
+        if r.has_errors() {
+            return Err(LoadError::Invalid(r));
+        }
+        self.copy_params(&self.tower_index, &params, r, &super::LoadOptions::default())
     }
 
     /// What the towers hold, for `inspect` (`None` values when the config has no vision tower

@@ -233,6 +233,15 @@ pub fn pan_and_scan_crops(img: &RgbImage, p: &PanAndScan) -> Vec<RgbImage> {
     out
 }
 
+impl PatchedImage {
+    /// The tower's input: `2(x − 0.5)` of each patch value (the map to [-1, 1] Gemma 4's
+    /// patch embedder makes first, done here on the host), and the patch columns and rows.
+    pub fn tower_input(&self) -> (Vec<f32>, Vec<u32>, Vec<u32>) {
+        let pixels = self.patches.iter().map(|&x| 2.0 * (x - 0.5)).collect();
+        (pixels, self.positions.iter().map(|p| p[0]).collect(), self.positions.iter().map(|p| p[1]).collect())
+    }
+}
+
 impl Gemma4Processor {
     /// Settings from a processor config (HF's defaults where it is silent); `budget` (soft
     /// tokens) overrides the config's `max_soft_tokens`.
