@@ -1,6 +1,7 @@
-//! Gemma 4's vision tower as a compiled graph against mlx-vlm's references (the tiny fixture
-//! of `tools/make_vlm_fixtures.py`), intermediate by intermediate, on the CPU reference
-//! executor and on the GPU (lavapipe in CI; fails, never skips, without an adapter).
+//! The vision towers (Gemma 4's ViT, Gemma 3's SigLIP) as compiled graphs against mlx-vlm's
+//! references (the tiny fixtures of `tools/make_vlm_fixtures.py`, with HF's semantics where
+//! the two differ), intermediate by intermediate, on the CPU reference executor and on the GPU
+//! (lavapipe in CI; fails, never skips, without an adapter), NaN checks on.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,15 +11,23 @@ use markbase::exec::{Executor, GraphKey};
 use markbase::graph::passes::{compile, Compiled, PhasePolicy};
 use markbase::gpu::runtime::GpuExecutor;
 use markbase::loader::Checkpoint;
-use markbase::vision::processor::{read_processor_config, Gemma4Processor};
+use markbase::vision::processor::{read_processor_config, Gemma3Processor, Gemma4Processor};
 use markbase::vision::load_image;
 
+fn fixture(family: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm").join(family)
+}
+
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm/gemma4")
+    fixture("gemma4")
+}
+
+fn reference_of(family: &str, name: &str) -> Vec<f32> {
+    markbase::npy::read_f32(&fixture(family).join(format!("ref/{name}.npy"))).unwrap_or_else(|e| panic!("{e}")).data
 }
 
 fn reference(name: &str) -> Vec<f32> {
-    markbase::npy::read_f32(&dir().join(format!("ref/{name}.npy"))).unwrap_or_else(|e| panic!("{e}")).data
+    reference_of("gemma4", name)
 }
 
 /// Max |got − want| over max |want|.
@@ -46,7 +55,7 @@ fn setup(name: &str) -> (Compiled, markbase::weights::Weights, Vec<f32>, Vec<u32
     let proc = Gemma4Processor::from_config(read_processor_config(&dir()).unwrap().as_ref(), None).unwrap();
     let img = proc.process(&load_image(&dir().join(format!("{name}.png"))).unwrap()).unwrap();
     let g = cp.tower_graph(&vc, img.rows, img.cols).unwrap();
-    let (w, rep) = cp.load_tower(&g).unwrap();
+    let (w, rep) = cp.load_tower(&vc, &g).unwrap();
     assert!(rep.is_empty(), "{rep}");
     let (pixels, px, py) = img.tower_input();
     (compile(g, PhasePolicy::EmbedLayersHead).unwrap(), w, pixels, px, py)
@@ -93,4 +102,48 @@ fn bad_grids_are_refused() {
     assert!(e.contains("4x6") && e.contains("3x3"), "{e}");
     let e = cp.tower_graph(&vc, 300, 3).unwrap_err().to_string();
     assert!(e.contains("position table"), "{e}");
+}
+
+/// SigLIP bounds, as [`BOUNDS`] (observed in brackets).
+const SIGLIP_BOUNDS: [(&str, f32); 6] = [
+    ("patch_embed", 8e-6), // [7.2e-7]
+    ("layer0", 7e-6),      // [6.9e-7]
+    ("layer1", 7e-6),      // [6.2e-7]
+    ("post_ln", 1e-5),     // [8.2e-7]
+    ("pooled", 3e-6),      // [2.4e-7]
+    ("soft", 6e-6),        // [5.3e-7]
+];
+
+fn siglip_setup(name: &str) -> (Compiled, markbase::weights::Weights, Vec<f32>, Vec<u32>) {
+    let d = fixture("gemma3");
+    let cp = Checkpoint::open(&d).unwrap();
+    let vc = cp.vision_config().unwrap().unwrap();
+    let proc = Gemma3Processor::from_config(read_processor_config(&d).unwrap().as_ref()).unwrap();
+    let img = proc.process(&load_image(&d.join(format!("{name}.png"))).unwrap());
+    let g = cp.tower_graph(&vc, 0, 0).unwrap();
+    let (w, rep) = cp.load_tower(&vc, &g).unwrap();
+    assert!(rep.is_empty(), "{rep}");
+    let (pixels, pos) = img[0].tower_input(vc.patch);
+    (compile(g, PhasePolicy::EmbedLayersHead).unwrap(), w, pixels, pos)
+}
+
+#[test]
+fn siglip_tower_matches_the_reference_on_cpu_and_gpu() {
+    for name in ["square", "wide"] {
+        let (c, w, pixels, pos) = siglip_setup(name);
+        let w = Arc::new(w);
+        let step = StepInputs { positions: &pos, pixels: &pixels, ..Default::default() };
+        let out = exec::run(&c, &mut CpuWeights::new(w.clone()), &mut CpuState::default(), &step).unwrap();
+        let mut gpu = GpuExecutor::new(None, w, true).unwrap_or_else(|e| panic!("no GPU adapter: {e}"));
+        let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false };
+        let soft = gpu.run(key, &c, &step, true).unwrap().logits.unwrap();
+        for (what, bound) in SIGLIP_BOUNDS {
+            let want = reference_of("gemma3", &format!("{name}_{what}"));
+            let e = rel_err(what, out[what].f(), &want);
+            let got: Vec<f32> = if what == "soft" { soft.clone() } else { gpu.read_output(key, &c, what).unwrap().into_iter().map(f32::from_bits).collect() };
+            let eg = rel_err(what, &got, &want);
+            println!("siglip {name} {what}: cpu {e:.2e} gpu {eg:.2e}");
+            assert!(e <= bound && eg <= bound, "siglip {name} {what}: cpu {e:.2e} gpu {eg:.2e} > {bound:.0e}");
+        }
+    }
 }

@@ -1,5 +1,5 @@
-//! Vision towers as op graphs: Gemma 4's ViT over one image's patch grid, through the pooled
-//! soft tokens and the projector into the text model's width.
+//! Vision towers as op graphs: Gemma 4's ViT over one image's patch grid, and Gemma 3's
+//! SigLIP, through the pooled soft tokens and the projector into the text model's width.
 //!
 //! Inputs: `pixels` `f32[P, 3·patch²]` (the patches as the processor makes them, already
 //! mapped to [-1, 1] by the host: `2x − 1`), `patch_x` and `patch_y` `u32[P]`. Outputs:
@@ -72,6 +72,87 @@ impl T<'_> {
     }
 }
 
+/// SigLIP's conv patch embedding (`.weight` `[hidden, kh, kw, 3]`, `.bias`); the graph reads
+/// the weight as the matrix `<this>.matrix` `[hidden, kh·kw·3]`.
+pub const SIGLIP_PATCH: &str = "vision_tower.vision_model.embeddings.patch_embedding";
+/// Gemma 3's projector `[hidden, D]` (`y = x W`), and the `[D, hidden]` linear the graph reads.
+pub const GEMMA3_PROJECTOR: &str = "multi_modal_projector.mm_input_projection_weight";
+pub const GEMMA3_PROJECTOR_LINEAR: &str = "multi_modal_projector.mm_input_projection";
+
+/// Gemma 3's SigLIP tower over its square input (`image_size / patch` patches a side), 4x4 (in
+/// general `pool`) average pooling and the projector. Inputs: `pixels` `f32[P, 3·patch²]`
+/// (normalised patches, (py, px, c) order) and `positions` `u32[P]` (the patch indices).
+pub fn build_siglip_tower(vc: &VisionConfig, res: &dyn WeightResolver) -> Result<Graph, BuildError> {
+    if vc.kind != TowerKind::Siglip {
+        return Err(BuildError::Config(format!("{} is not a SigLIP tower", vc.kind.name())));
+    }
+    let side = vc.grid_side();
+    let p = side * side;
+    let (h, hd, heads) = (vc.hidden, vc.head_dim, vc.heads);
+    let eps = vc.eps as f32;
+    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res };
+    let k = vc.patch * vc.patch * 3;
+    let pix = t.g.input("pixels", InputKind::Pixels, TensorType::f32(&[p, k]));
+    let pos = t.g.input("positions", InputKind::Positions, TensorType::u32(&[p]));
+    let vm = "vision_tower.vision_model";
+    let biased = |t: &mut T, x: NodeIndex, name: &str, module: &str, out: usize, l: Option<usize>| -> Result<NodeIndex, BuildError> {
+        let y = t.linear(vc, x, module, out, false, l)?;
+        let b = t.w(&format!("{module}.bias"), &[out], false, l);
+        t.op(name, l, Op::Binary { f: BinaryOp::Add }, &[y, b])
+    };
+    let ln = |t: &mut T, x: NodeIndex, name: &str, module: &str, l: Option<usize>| -> Result<NodeIndex, BuildError> {
+        let w = t.w(&format!("{module}.weight"), &[h], false, l);
+        let b = t.w(&format!("{module}.bias"), &[h], false, l);
+        t.op(name, l, Op::LayerNorm { eps }, &[x, w, b])
+    };
+    let w = t.w(&format!("{SIGLIP_PATCH}.matrix"), &[h, k], true, None);
+    let e = t.op("patch_matmul", None, Op::MatMul, &[pix, w])?;
+    let b = t.w(&format!("{SIGLIP_PATCH}.bias"), &[h], false, None);
+    let e = t.op("patch_bias", None, Op::Binary { f: BinaryOp::Add }, &[e, b])?;
+    let table = t.w(&format!("{vm}.embeddings.position_embedding"), &[vc.position_table, h], true, None);
+    let pe = t.op("positions", None, Op::Embed { scale: 1.0, clamp: None }, &[pos, table])?;
+    let mut x = t.op("patch_embed", None, Op::Binary { f: BinaryOp::Add }, &[e, pe])?;
+    t.g.set_output("patch_embed", x);
+    for i in 0..vc.layers {
+        let l = Some(i);
+        let pre = format!("{vm}.encoder.layers.{i}");
+        let a = ln(&mut t, x, "ln1", &format!("{pre}.layer_norm1"), l)?;
+        let mut qkv = vec![];
+        for n in ["q", "k", "v"] {
+            let y = biased(&mut t, a, &format!("{n}_proj"), &format!("{pre}.self_attn.{n}_proj"), heads * hd, l)?;
+            qkv.push(t.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![p, heads, hd] }, &[y])?);
+        }
+        let o = t.op("attention", l, Op::FullAttention { scale: (hd as f32).powf(-0.5) }, &qkv)?;
+        let o = t.op("attn_flat", l, Op::Reshape { shape: vec![p, heads * hd] }, &[o])?;
+        let o = biased(&mut t, o, "out_proj", &format!("{pre}.self_attn.out_proj"), h, l)?;
+        x = t.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
+        let a = ln(&mut t, x, "ln2", &format!("{pre}.layer_norm2"), l)?;
+        let m = biased(&mut t, a, "fc1", &format!("{pre}.mlp.fc1"), vc.intermediate, l)?;
+        let m = t.op("gelu", l, Op::Unary { f: UnaryOp::Gelu }, &[m])?;
+        let m = biased(&mut t, m, "fc2", &format!("{pre}.mlp.fc2"), h, l)?;
+        x = t.op("mlp_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, m])?;
+        t.g.set_output(&format!("layer{i}"), x);
+    }
+    let post = ln(&mut t, x, "post_ln", &format!("{vm}.post_layernorm"), None)?;
+    t.g.set_output("post_ln", post);
+    let pooled = t.op("pooled", None, Op::AvgPool { rows: side, cols: side, k: vc.pool }, &[post])?;
+    t.g.set_output("pooled", pooled);
+    let nw = t.w("multi_modal_projector.mm_soft_emb_norm.weight", &[h], false, None);
+    let n = t.op("soft_norm", None, Op::RmsNorm { eps, scale: NormScale::OnePlusW }, &[pooled, nw])?;
+    let soft = t.linear(vc, n, GEMMA3_PROJECTOR_LINEAR, vc.text_hidden, false, None)?;
+    finish(t, soft)
+}
+
+/// Sets the soft tokens as the graph's `soft` output (and as the `logits` and `token`
+/// executors expect).
+fn finish(mut t: T, soft: NodeIndex) -> Result<Graph, BuildError> {
+    t.g.set_output("soft", soft);
+    t.g.set_output("logits", soft);
+    let tok = t.op("argmax", None, Op::Argmax, &[soft])?;
+    t.g.set_output("token", tok);
+    Ok(t.g)
+}
+
 /// The graph of Gemma 4's vision tower over a `rows x cols` patch grid (both multiples of the
 /// pooling kernel).
 pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usize, cols: usize) -> Result<Graph, BuildError> {
@@ -142,9 +223,5 @@ pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usi
     t.g.set_output("pooled", pooled);
     let s = t.norm("soft_norm", pooled, None, eps, None)?;
     let soft = t.linear(vc, s, "embed_vision.embedding_projection", vc.text_hidden, false, None)?;
-    t.g.set_output("soft", soft);
-    t.g.set_output("logits", soft);
-    let tok = t.op("argmax", None, Op::Argmax, &[soft])?;
-    t.g.set_output("token", tok);
-    Ok(t.g)
+    finish(t, soft)
 }

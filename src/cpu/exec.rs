@@ -110,8 +110,8 @@ pub struct StepInputs<'a> {
 pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepInputs) -> Result<Outputs, String> {
     let (tokens, positions) = (step.tokens, step.positions);
     let g = &c.graph;
-    let reads_tokens = g.g.node_indices().any(|n| matches!(g.node(n).kind, NodeKind::Input { input: InputKind::Tokens | InputKind::Positions }));
-    if reads_tokens && (tokens.len() != g.tokens || positions.len() != g.tokens) {
+    let reads = |k: InputKind| g.g.node_indices().any(|n| matches!(g.node(n).kind, NodeKind::Input { input } if input == k));
+    if (reads(InputKind::Tokens) && tokens.len() != g.tokens) || (reads(InputKind::Positions) && positions.len() != g.tokens) {
         return Err(format!("graph takes {} tokens, got {}", g.tokens, tokens.len()));
     }
     let mut vals: Vec<Option<Val>> = vec![None; g.g.node_count()];

@@ -94,7 +94,7 @@ impl TensorInfo {
     /// Bytes of this canonical tensor.
     pub fn nbytes(&self) -> usize {
         match self.part {
-            Part::Whole => self.len,
+            Part::Whole | Part::Transposed => self.len,
             Part::Half { .. } => self.len / 2,
         }
     }
@@ -443,6 +443,18 @@ impl Checkpoint {
         let src = map.get(t.offset..t.offset + t.len).ok_or_else(|| format!("tensor `{}`: data out of file bounds", t.stored_name))?;
         let bytes = match t.part {
             Part::Whole => src.to_vec(),
+            Part::Transposed => {
+                // canonical [r, c] from stored [c, r]
+                let (r, c) = (t.shape[0], t.shape[1]);
+                let b = dtype.bytes();
+                let mut v = vec![0u8; src.len()];
+                for i in 0..r {
+                    for j in 0..c {
+                        v[(i * c + j) * b..(i * c + j + 1) * b].copy_from_slice(&src[(j * r + i) * b..(j * r + i + 1) * b]);
+                    }
+                }
+                v
+            }
             Part::Half { second } => {
                 // Stored [..., 2*Im, C]: each leading index holds gate rows then up rows.
                 let outer: usize = t.shape[..t.shape.len() - 2].iter().product();

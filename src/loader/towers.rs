@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use markbase_graph::builder::WeightResolver;
 use markbase_graph::ir::WeightParam;
-use markbase_graph::tower::{build_gemma4_tower, POSITION_TABLE};
+use markbase_graph::tower::{build_gemma4_tower, build_siglip_tower, GEMMA3_PROJECTOR, GEMMA3_PROJECTOR_LINEAR, POSITION_TABLE, SIGLIP_PATCH};
 use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
 use markbase_graph::{Graph, WeightFormat};
 
@@ -19,25 +19,35 @@ use crate::weights::Weights;
 /// Prefixes of the audio tower's tensors (not supported yet: listed, never fatal).
 const AUDIO: [&str; 2] = ["audio_tower.", "embed_audio."];
 
-/// Tensors the tower graphs read that are parts of a stored one: the x and y halves of Gemma
-/// 4's `[2, N, hidden]` position table, as `[N, hidden]` tables (`<table>.x.weight`, `.y.weight`).
+/// Tensors the tower graphs read that are views of a stored one: the x and y halves of Gemma
+/// 4's `[2, N, hidden]` position table as `[N, hidden]` tables; SigLIP's conv patch embedding
+/// `[O, kh, kw, C]` as the matrix `[O, kh·kw·C]` it is over (py, px, c)-ordered patches; Gemma 3's
+/// `[hidden, D]` projector as the `[D, hidden]` matrix of a linear.
 pub(super) fn derived(t: &TensorInfo) -> Vec<TensorInfo> {
-    if t.name != POSITION_TABLE || t.shape.len() != 3 || t.shape[0] != 2 || t.defect.is_some() {
+    if t.defect.is_some() {
         return vec![];
     }
-    [("x", false), ("y", true)]
-        .into_iter()
-        .map(|(axis, second)| TensorInfo {
-            name: format!("{POSITION_TABLE}.{axis}.weight"),
-            shape: t.shape[1..].to_vec(),
-            part: Part::Half { second },
-            ..t.clone()
-        })
-        .collect()
+    let view = |name: String, shape: Vec<usize>, part: Part| TensorInfo { name, shape, part, ..t.clone() };
+    let s = &t.shape;
+    if t.name == POSITION_TABLE && s.len() == 3 && s[0] == 2 {
+        return [("x", false), ("y", true)]
+            .into_iter()
+            .map(|(axis, second)| view(format!("{POSITION_TABLE}.{axis}.weight"), s[1..].to_vec(), Part::Half { second }))
+            .collect();
+    }
+    if t.name == format!("{SIGLIP_PATCH}.weight") && s.len() == 4 {
+        return vec![view(format!("{SIGLIP_PATCH}.matrix.weight"), vec![s[0], s[1] * s[2] * s[3]], Part::Whole)];
+    }
+    if t.name == GEMMA3_PROJECTOR && s.len() == 2 {
+        return vec![view(format!("{GEMMA3_PROJECTOR_LINEAR}.weight"), vec![s[1], s[0]], Part::Transposed)];
+    }
+    vec![]
 }
 
 fn is_derived(name: &str) -> bool {
-    name.strip_prefix(POSITION_TABLE).is_some_and(|r| r == ".x.weight" || r == ".y.weight")
+    [format!("{POSITION_TABLE}.x.weight"), format!("{POSITION_TABLE}.y.weight"), format!("{SIGLIP_PATCH}.matrix.weight"), format!("{GEMMA3_PROJECTOR_LINEAR}.weight")]
+        .iter()
+        .any(|d| d == name)
 }
 
 /// Resolves the tower graphs' weights from the tower tensors.
@@ -155,22 +165,24 @@ impl Checkpoint {
         self.copy_params(&self.tower_index, &refs, report, &super::LoadOptions::default())
     }
 
-    /// The graph of the vision tower over a `rows x cols` patch grid (Gemma 4's ViT).
+    /// The graph of the vision tower over a `rows x cols` patch grid (Gemma 4's ViT; SigLIP's
+    /// grid is fixed by its config and the sizes are ignored).
     pub fn tower_graph(&self, vc: &VisionConfig, rows: usize, cols: usize) -> Result<Graph, LoadError> {
         match vc.kind {
             TowerKind::Gemma4Vit => build_gemma4_tower(vc, &TowerResolver(self), rows, cols).map_err(|e| LoadError::Build(e.to_string())),
-            TowerKind::Siglip => Err(LoadError::Build("the SigLIP tower does not run as a graph yet".into())),
+            TowerKind::Siglip => build_siglip_tower(vc, &TowerResolver(self)).map_err(|e| LoadError::Build(e.to_string())),
         }
     }
 
     /// Checks and copies the weights of a tower graph (see [`tower_graph`](Self::tower_graph)).
-    pub fn load_tower(&self, graph: &Graph) -> Result<(Weights, Report), LoadError> {
-        let mut r = Report::new(self.dir(), "vision_tower.encoder.");
+    pub fn load_tower(&self, vc: &VisionConfig, graph: &Graph) -> Result<(Weights, Report), LoadError> {
+        let pre = Self::block_prefix(vc);
+        let mut r = Report::new(self.dir(), pre);
         let mut used = HashSet::new();
         let mut params: Vec<&WeightParam> = vec![];
         for (_, p) in graph.weights() {
             if !params.iter().any(|q| q.name == p.name) {
-                self.check_param(&self.tower_index, "vision_tower.encoder.", p, &mut used, &mut r);
+                self.check_param(&self.tower_index, pre, p, &mut used, &mut r);
                 params.push(p);
             }
         }

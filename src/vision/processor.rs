@@ -233,6 +233,27 @@ pub fn pan_and_scan_crops(img: &RgbImage, p: &PanAndScan) -> Vec<RgbImage> {
     out
 }
 
+impl SquashedImage {
+    /// The tower's input: the `patch x patch` patches of the CHW pixels, row-major, each in
+    /// (py, px, c) order (the order of the conv weight `[O, kh, kw, C]`), and their indices.
+    pub fn tower_input(&self, patch: usize) -> (Vec<f32>, Vec<u32>) {
+        let (s, side) = (self.size, self.size / patch);
+        let mut out = Vec::with_capacity(3 * s * s);
+        for y in 0..side {
+            for x in 0..side {
+                for py in 0..patch {
+                    for px in 0..patch {
+                        for c in 0..3 {
+                            out.push(self.pixels[c * s * s + (y * patch + py) * s + x * patch + px]);
+                        }
+                    }
+                }
+            }
+        }
+        (out, (0..(side * side) as u32).collect())
+    }
+}
+
 impl PatchedImage {
     /// The tower's input: `2(x − 0.5)` of each patch value (the map to [-1, 1] Gemma 4's
     /// patch embedder makes first, done here on the host), and the patch columns and rows.
