@@ -203,6 +203,27 @@ enum Cmd {
         #[arg(long, value_name = "K")]
         top: Option<usize>,
     },
+    /// Write the soft-token embeddings of images (after the projector, `[N, D_text]` f32) as .npy.
+    Encode {
+        /// Model directory (MLX checkpoint with a vision tower).
+        #[arg(short = 'm', long = "model")]
+        model: PathBuf,
+        /// PNG, JPEG or WebP image; repeatable (the rows of each follow the previous ones).
+        #[arg(long = "image", required = true)]
+        images: Vec<PathBuf>,
+        /// The .npy file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Gemma 4: soft tokens per image (70, 140, 280, 560 or 1120; default: the checkpoint's).
+        #[arg(long)]
+        max_soft_tokens: Option<usize>,
+        /// vulkan | metal | dx12 | gl | cpu (default: MARKBASE_BACKEND, else the platform's best GPU).
+        #[arg(long)]
+        backend: Option<String>,
+        /// Check every value the GPU computes for NaN.
+        #[arg(long)]
+        check_nan: bool,
+    },
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error.
@@ -300,6 +321,15 @@ fn main() -> ExitCode {
             if !note.is_empty() {
                 eprintln!("{note}");
             }
+            Ok(())
+        })(),
+        Cmd::Encode { model, images, out: path, max_soft_tokens, backend, check_nan } => (|| {
+            let file = cli::OutFile::check(&path)?;
+            let device = cli::parse_device(backend.as_deref())?;
+            let (rows, width, counts) = markbase::vision::encode::encode_files(&model, &images, device, max_soft_tokens, check_nan)?;
+            let n = rows.len() / width.max(1);
+            file.write_f32(&[n, width], &rows)?;
+            eprintln!("{}: soft tokens per image {counts:?}, [{n}, {width}] f32", path.display());
             Ok(())
         })(),
     };
