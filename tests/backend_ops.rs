@@ -96,6 +96,7 @@ fn variant_names(op: &Op) -> &'static [&'static str] {
         Op::FullAttention { .. } => &["full_attention"],
         Op::AvgPool { .. } => &["avg_pool"],
         Op::LayerNorm { .. } => &["layer_norm"],
+        Op::Scatter => &["scatter"],
     }
 }
 
@@ -735,6 +736,14 @@ fn vision(cs: &mut Cases) {
         cs.add("avg_pool", format!("grid {rows}x{cols} k {k} x f32[{t}, {d}]"), t, NORM, |cx| {
             let x = cx.b.act(&[t, d], 1.0);
             (cx.b.op(Op::AvgPool { rows, cols, k }, &[x]), x)
+        });
+    }
+    for (t, d) in [(1usize, 16usize), (9, 40)] {
+        cs.add("scatter", format!("x f32[{t}, {d}] rows [{t}, {d}]"), t, EXACT, |cx| {
+            let x = cx.b.act(&[t, d], 1.0);
+            let rows = cx.b.act(&[t, d], 2.0);
+            // token t takes row t - 1 of rows, token 0 keeps its own
+            (cx.b.op(Op::Scatter, &[x, rows, cx.b.positions]), x)
         });
     }
     for (t, d, bias) in [(3usize, 72usize, true), (1, 1152, true), (6, 5, false)] {

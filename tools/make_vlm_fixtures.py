@@ -332,7 +332,10 @@ def gemma4(d):
     ids += [60, 61]
     input_ids = mx.array([ids], dtype=mx.int32)
     feats = mx.concatenate([s for _, s in softs], axis=0)[None]
-    emb = model.get_input_embeddings(input_ids=input_ids, cached_image_features=feats)
+    # mlx-vlm scatters cached features only when pixel values are given (not read then)
+    emb = model.get_input_embeddings(input_ids=input_ids, pixel_values=mx.zeros((1,)), cached_image_features=feats)
+    merged = np32(emb.inputs_embeds)[0]
+    assert np.abs(merged[np.array(ids) == IMG] - np32(feats)[0]).max() == 0, "soft tokens not scattered"
     refs.put("input_ids", np.array(ids, np.int32), "prompt ids: both images' placeholder runs")
     refs.put("merged_embeds", np32(emb.inputs_embeds)[0], "decoder input: text rows * sqrt(D), image rows = soft tokens (unscaled)")
     refs.put("per_layer_inputs", np32(emb.per_layer_inputs)[0], "per-layer inputs (image ids read as id 0)")

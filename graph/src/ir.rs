@@ -58,6 +58,10 @@ pub enum InputKind {
     /// Column and row of each patch `u32[P]` (a vision tower's positions).
     PatchX,
     PatchY,
+    /// Soft-token rows `f32[N, D]` put into a prompt's embeddings, and for each token the
+    /// row it takes, plus one (0: its own embedding) `u32[T]`.
+    SoftRows,
+    SoftIndex,
 }
 
 /// Persistent state owned by the runtime across steps.

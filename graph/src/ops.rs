@@ -211,6 +211,9 @@ pub enum Op {
     /// `[x: f32[.., D], w: f32-weight[D], b?: f32-weight[D]] -> x`:
     /// `(x - mean) / sqrt(var + eps) * w (+ b)` over the last dim.
     LayerNorm { eps: f32 },
+    /// `[x: f32[T, D], rows: f32[N, D], src: u32[T]] -> f32[T, D]`: row `t` of x replaced by
+    /// `rows[src[t] - 1]` where `src[t] > 0` (soft-token rows into a prompt's embeddings).
+    Scatter,
 }
 
 /// Heads `start..start + count` of a value with more heads (a fused q/k/v projection's output).
@@ -291,6 +294,7 @@ impl Op {
             Op::FullAttention { .. } => "full_attention",
             Op::AvgPool { .. } => "avg_pool",
             Op::LayerNorm { .. } => "layer_norm",
+            Op::Scatter => "scatter",
         }
     }
 
@@ -718,6 +722,16 @@ impl Op {
                 let x = f32_in(0)?;
                 if let Some(i) = (1..inputs.len()).find(|&i| inputs[i].shape != [x.last()]) {
                     return Err(err(format!("weight {} for x {}", inputs[i].describe(), x.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::Scatter => {
+                need(3)?;
+                let x = f32_in(0)?;
+                let r = f32_in(1)?;
+                let src = u32_in(2)?;
+                if x.shape.len() != 2 || r.shape.len() != 2 || r.shape[1] != x.shape[1] || src.shape != [x.shape[0]] {
+                    return Err(err(format!("x {} rows {} src {}", x.describe(), r.describe(), src.describe())));
                 }
                 Ok(x.clone())
             }

@@ -104,6 +104,9 @@ pub struct StepInputs<'a> {
     pub pixels: &'a [f32],
     pub patch_x: &'a [u32],
     pub patch_y: &'a [u32],
+    /// Soft-token rows and, per token, the row it takes plus one (graphs built with them).
+    pub soft_rows: &'a [f32],
+    pub soft_index: &'a [u32],
 }
 
 /// Runs `c` once.
@@ -128,12 +131,14 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     r.resize(node.ty.numel(), 0);
                     Val::U(Arc::new(r))
                 }
-                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY => {
+                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex => {
                     let n = node.ty.numel();
                     let v = match input {
                         InputKind::Pixels if step.pixels.len() == n => Val::F(Arc::new(step.pixels.to_vec())),
                         InputKind::PatchX if step.patch_x.len() == n => Val::U(Arc::new(step.patch_x.to_vec())),
                         InputKind::PatchY if step.patch_y.len() == n => Val::U(Arc::new(step.patch_y.to_vec())),
+                        InputKind::SoftRows if step.soft_rows.len() == n => Val::F(Arc::new(step.soft_rows.to_vec())),
+                        InputKind::SoftIndex if step.soft_index.len() == n => Val::U(Arc::new(step.soft_index.to_vec())),
                         _ => return Err(format!("input {} takes {n} values ({}), the step has a different count", node.name, node.ty.describe())),
                     };
                     v
@@ -394,6 +399,11 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let wt = weight_or_value(g, w, &vals, ins[1])?;
                         let b = ins.get(2).map(|&b| weight_or_value(g, w, &vals, b)).transpose()?;
                         vision_ops::layer_norm(x.f(), &wt, b.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::Scatter => {
+                        let (x, rows, src) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]));
+                        vision_ops::scatter(x.f(), rows.f(), src.u(), node.ty.last(), &mut out).map_err(|e| format!("node {}: {e}", node.name))?;
                         Val::F(Arc::new(out))
                     }
                     Op::Argmax => {

@@ -111,6 +111,19 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: Option<&[f32]>, d: usize, eps: f32, o
     }
 }
 
+/// Rows of `x` (`d` wide) replaced by `rows[src[t] - 1]` where `src[t] > 0`.
+pub fn scatter(x: &[f32], rows: &[f32], src: &[u32], d: usize, out: &mut [f32]) -> Result<(), String> {
+    let n = rows.len() / d;
+    for (t, (o, xr)) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+        match src[t] as usize {
+            0 => o.copy_from_slice(xr),
+            s if s <= n => o.copy_from_slice(&rows[(s - 1) * d..s * d]),
+            s => return Err(format!("token {t} takes soft row {} of {n}", s - 1)),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -136,3 +136,45 @@ pub fn encode_files(dir: &Path, images: &[std::path::PathBuf], device: DeviceKin
     }
     Ok((rows, enc.vision_config().text_hidden, counts))
 }
+
+/// A prompt's inputs with its images' soft tokens in place (see `BuildOptions::soft_rows`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImagePrompt {
+    /// The ids, each image placeholder read as id 0 (its embedding is replaced; Gemma 4's
+    /// per-layer inputs read id 0 there, as HF does).
+    pub tokens: Vec<u32>,
+    /// The soft-token rows, image after image `[N, D]`.
+    pub soft_rows: Vec<f32>,
+    /// Per token: the row it takes plus one, 0 for text.
+    pub soft_index: Vec<u32>,
+}
+
+/// Puts the soft tokens of `images` in order into the placeholder runs of `ids` (every
+/// `image_token` takes the next row). The placeholders must match the images' rows exactly.
+pub fn image_prompt(ids: &[u32], image_token: u32, images: &[SoftTokens]) -> Result<ImagePrompt, Error> {
+    let placeholders = ids.iter().filter(|&&t| t == image_token).count();
+    let rows: usize = images.iter().map(|s| s.tokens).sum();
+    if placeholders != rows {
+        let per: Vec<usize> = images.iter().map(|s| s.tokens).collect();
+        return Err(Error::Input(format!(
+            "the prompt has {placeholders} image placeholders (id {image_token}) but the images make {rows} soft tokens {per:?}"
+        )));
+    }
+    if let Some(w) = images.iter().map(|s| s.width).find(|&w| w != images[0].width) {
+        return Err(Error::Input(format!("soft tokens of widths {} and {w}", images[0].width)));
+    }
+    let mut next = 0u32;
+    let mut soft_index = Vec::with_capacity(ids.len());
+    let mut tokens = Vec::with_capacity(ids.len());
+    for &t in ids {
+        if t == image_token {
+            next += 1;
+            soft_index.push(next);
+            tokens.push(0);
+        } else {
+            soft_index.push(0);
+            tokens.push(t);
+        }
+    }
+    Ok(ImagePrompt { tokens, soft_rows: images.iter().flat_map(|s| s.data.iter().copied()).collect(), soft_index })
+}

@@ -230,6 +230,6 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::MoeGroup { .. } | Op::TopK { .. } | Op::TopKSoftmax | Op::WeightedSum => routing::lower(cx),
         Op::Slice { .. } => copy::lower(cx),
         Op::Argmax | Op::Sample => argmax::lower(cx),
-        Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } => vision::lower(cx),
+        Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } | Op::Scatter => vision::lower(cx),
     }
 }

@@ -1,5 +1,5 @@
-//! The vision towers' ops (`vision.wgsl`): clamp, 2-D RoPE, average pooling, LayerNorm and
-//! the tiled bidirectional attention.
+//! The vision towers' ops (`vision.wgsl`): clamp, 2-D RoPE, average pooling, LayerNorm, the
+//! tiled bidirectional attention, and the scatter of soft-token rows into embeddings.
 
 use bytemuck::{Pod, Zeroable};
 use markbase_graph::ops::Op;
@@ -29,6 +29,7 @@ pub enum VisionKernel {
     LayerNorm { w: FloatType, b: Option<FloatType> },
     /// `mask`: a key-validity input.
     Attention { mask: bool },
+    Scatter,
 }
 
 pub(crate) const FAMILY: Family = Family { name, source, variants };
@@ -41,6 +42,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
         VisionKernel::Pool => "avg_pool".into(),
         VisionKernel::LayerNorm { w, b } => format!("layer_norm[{}{}]", w.name(), b.map_or(String::new(), |b| format!(" bias {}", b.name()))),
         VisionKernel::Attention { mask } => format!("full_attention{}", if *mask { "[mask]" } else { "" }),
+        VisionKernel::Scatter => "scatter".into(),
     })
 }
 
@@ -58,6 +60,7 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .flag("LNORM", true)
             .flag("HAS_B", b.is_some()),
         VisionKernel::Attention { mask } => src.c("WG", ROW_WG).flag("ATTN", true).flag("MASK", mask),
+        VisionKernel::Scatter => src.c("WG", ELEM_WG).flag("SCATTER", true),
     })
 }
 
@@ -70,6 +73,7 @@ fn variants() -> Vec<KernelSpec> {
         VisionKernel::LayerNorm { w: FloatType::F32, b: None },
         VisionKernel::Attention { mask: false },
         VisionKernel::Attention { mask: true },
+        VisionKernel::Scatter,
     ]
     .into_iter()
     .map(KernelSpec::Vision)
@@ -163,6 +167,11 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 binds.push((5, cx.input(3)?));
             }
             (VisionKernel::Attention { mask }, p, binds, grid(rows as u64, maxg))
+        }
+        Op::Scatter => {
+            let d = shape[1];
+            let p = VisionParams { n: numel as u32, d: d as u32, s: cx.shape_of(1)[0] as u32, ..Default::default() };
+            (VisionKernel::Scatter, p, vec![(3, cx.input(1)?), (4, cx.input(2)?)], elem_groups(numel))
         }
         _ => return Err(cx.not_ours("vision")),
     };
