@@ -202,6 +202,10 @@ enum Cmd {
         /// Print the K largest ids and logits of each position (`position token id:logit ...`).
         #[arg(long, value_name = "K")]
         top: Option<usize>,
+        /// An image whose soft tokens fill the next run of image placeholders in --tokens (which
+        /// hold each image's run, in order, as the HF processor writes them); repeatable.
+        #[arg(long = "image")]
+        images: Vec<PathBuf>,
     },
     /// Write the soft-token embeddings of images (after the projector, `[N, D_text]` f32) as .npy.
     Encode {
@@ -308,7 +312,17 @@ fn main() -> ExitCode {
             let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse };
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
-        Cmd::Logits { run, tokens, out: path, last, top } => (|| {
+        Cmd::Logits { run, tokens, out: path, last, top, images } if !images.is_empty() => (|| {
+            let t = cli::parse_tokens(&tokens)?;
+            if last || top.is_some() {
+                return Err("with --image, logits writes every position's logits (no --last or --top)".to_string());
+            }
+            let file = cli::OutFile::check(path.as_deref().unwrap_or(std::path::Path::new("logits.npy")))?;
+            let device = cli::parse_device(run.backend.as_deref())?;
+            let (logits, vocab) = markbase::vision::encode::logits_with_images(&run.model, &t, &images, device, run.check_nan)?;
+            file.write_f32(&[t.len(), vocab], &logits)
+        })(),
+        Cmd::Logits { run, tokens, out: path, last, top, .. } => (|| {
             let t = cli::parse_tokens(&tokens)?;
             if top == Some(0) {
                 return Err("--top must be at least 1".to_string());

@@ -71,3 +71,40 @@ fn encode_bad_inputs_are_clear_errors() {
         assert!(!out.exists(), "case {i}: {} left behind", out.display());
     }
 }
+
+fn logits(args: &[&str]) -> (bool, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_markbase")).arg("logits").args(args).output().unwrap();
+    (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// `logits --image`: the placeholder runs of --tokens filled with the images' soft tokens, the
+/// logits of every position against mlx-vlm's (5e-4 of max |logit|); a run count that
+/// disagrees with the images, or a family without image prompts yet, is a clear error.
+#[test]
+fn logits_with_images() {
+    let g4 = vlm("gemma4");
+    let ids: Vec<String> = markbase::npy::read_i32(&g4.join("ref/input_ids.npy")).unwrap().data.iter().map(|v| v.to_string()).collect();
+    let ids = ids.join(",");
+    let (sq, wide) = (g4.join("square.png"), g4.join("wide.png"));
+    let out = tmp("logits");
+    let o = out.to_str().unwrap();
+    let (ok, err) = logits(&["-m", g4.to_str().unwrap(), "--tokens", &ids, "--image", sq.to_str().unwrap(), "--image", wide.to_str().unwrap(), "--out", o, "--backend", "cpu"]);
+    assert!(ok, "{err}");
+    let got = markbase::npy::read_f32(&out).unwrap();
+    let want = markbase::npy::read_f32(&g4.join("ref/logits.npy")).unwrap();
+    assert_eq!(got.shape, want.shape);
+    let e = rel_err(&got.data, &want.data);
+    println!("logits --image: {e:.2e} of max |logit|");
+    assert!(e <= 5e-4, "{e:.2e}");
+    std::fs::remove_file(&out).ok();
+    // one image for two runs of placeholders
+    let (ok, err) = logits(&["-m", g4.to_str().unwrap(), "--tokens", &ids, "--image", sq.to_str().unwrap(), "--out", o, "--backend", "cpu"]);
+    assert!(!ok && err.contains("124 image placeholders") && err.contains("64 soft tokens"), "{err}");
+    assert!(!out.exists());
+    // Gemma 3's decoder does not take image rows yet
+    let g3 = vlm("gemma3");
+    let run: Vec<&str> = std::iter::once("2").chain(std::iter::repeat_n("500", 16)).chain(["3"]).collect();
+    let (ok, err) = logits(&["-m", g3.to_str().unwrap(), "--tokens", &run.join(","), "--image", sq.to_str().unwrap(), "--out", o, "--backend", "cpu"]);
+    assert!(!ok && err.contains("Gemma 4 only"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -178,3 +178,37 @@ pub fn image_prompt(ids: &[u32], image_token: u32, images: &[SoftTokens]) -> Res
     }
     Ok(ImagePrompt { tokens, soft_rows: images.iter().flat_map(|s| s.data.iter().copied()).collect(), soft_index })
 }
+
+/// The logits of every position of `ids` (holding each image's placeholder run, in order)
+/// with the soft tokens of `images` in place: the images encoded, the prompt's graph built with
+/// their rows (Gemma 4), run once on `device`. Returns the logits `[T, V]` and V.
+pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
+    let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+    let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
+    let soft = decoded.iter().map(|img| enc.encode(img)).collect::<Result<Vec<_>, _>>()?;
+    let vc = enc.vision_config().clone();
+    let p = image_prompt(ids, vc.image_token, &soft)?;
+    let cp = &enc.cp;
+    let t = ids.len();
+    let max = cp.config().max_position_embeddings;
+    if t > max {
+        return Err(format!("{t} tokens exceed the model's {max} positions"));
+    }
+    let opts = markbase_graph::BuildOptions { soft_rows: p.soft_rows.len() / vc.text_hidden, ..markbase_graph::BuildOptions::prefill(t, t) };
+    let g = cp.build(opts).map_err(|e| e.to_string())?;
+    let (w, _) = cp.load_weights(&g).map_err(|e| e.to_string())?;
+    let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, ..Default::default() };
+    let w = Arc::new(w);
+    let logits = match device {
+        DeviceKind::Cpu => exec::run(&c, &mut CpuWeights::new(w), &mut CpuState::default(), &step)?["logits"].f().to_vec(),
+        DeviceKind::Gpu(b) => {
+            let mut g = GpuExecutor::new(b, w, check_nan)?;
+            let key = GraphKey { tokens: t, all_logits: true, sample: false };
+            g.run(key, &c, &step, true)?.logits.ok_or("no logits read back")?
+        }
+    };
+    let vocab = logits.len() / t.max(1);
+    Ok((logits, vocab))
+}
