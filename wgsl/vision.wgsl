@@ -4,6 +4,7 @@
 //           py[t]; pairs (i, i + D/4) inside each half; angle = pos / ts[i] (host timescales)
 //   POOL:   mean of k x k blocks of the row-major grid (cols wide) of D-wide rows
 //   LNORM:  LayerNorm of each D-wide row (one workgroup per row), weight (WDT), bias (BDT)
+//   SCATTER: out row t = rows[src[t] - 1] where 0 < src[t] <= s (the rows' count), else x's
 //   ATTN:   bidirectional attention, one workgroup per (query, head): keys in tiles of WG
 //           with an online softmax, so a tile's scores are all that is ever held; keys whose
 //           valid word is 0 (MASK) are skipped
@@ -11,7 +12,7 @@
 // Prelude consts: WG, LDT/HDT/WDT/BDT (0 bf16, 1 f16, 2 f32). Flags: one op flag; HAS_B
 // (LNORM), MASK (ATTN).
 // Bindings: 0 params, 1 x (ATTN: q), 2 out, then CLAMP 3 lo 4 hi; ROPE2D 3 px 4 py; LNORM 3 w
-// 4 b; ATTN 3 k 4 v 5 valid.
+// 4 b; ATTN 3 k 4 v 5 valid; SCATTER 3 rows 4 src.
 
 struct Params {
     n: u32,     // values (CLAMP, POOL), rows (ROPE2D, LNORM, ATTN: T * heads)
@@ -45,6 +46,10 @@ struct Params {
 //#if HAS_B
 @group(0) @binding(4) var<storage, read> bias: array<u32>;
 //#endif
+//#endif
+//#if SCATTER
+@group(0) @binding(3) var<storage, read> rows: array<f32>;
+@group(0) @binding(4) var<storage, read> src: array<u32>;
 //#endif
 //#if ATTN
 @group(0) @binding(3) var<storage, read> kk: array<f32>;
@@ -157,6 +162,21 @@ fn main(
             y += vec_el(bias[word_of(i, BDT)], i, BDT);
 //#endif
             out[b + i] = y;
+        }
+    }
+}
+//#endif
+
+//#if SCATTER
+@compute @workgroup_size(WG)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let stride = nwg.x * WG;
+    for (var i = gid.x + gid.y * stride; i < p.n; i += stride * nwg.y) {
+        let r = src[i / p.d];
+        if r > 0u && r <= p.s {
+            out[i] = rows[(r - 1u) * p.d + i % p.d];
+        } else {
+            out[i] = x[i];
         }
     }
 }

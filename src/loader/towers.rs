@@ -11,9 +11,7 @@ use markbase_graph::tower::{build_gemma4_tower, build_siglip_tower, GEMMA3_PROJE
 use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
 use markbase_graph::{Graph, WeightFormat};
 
-use super::{Part, TensorInfo};
-
-use super::{Checkpoint, LoadError, Problem, Report, Severity};
+use super::{Checkpoint, LoadError, Part, Problem, Report, Severity, TensorInfo};
 use crate::weights::Weights;
 
 /// Prefixes of the audio tower's tensors (not supported yet: listed, never fatal).
@@ -99,17 +97,10 @@ impl Checkpoint {
 
     /// The vision weights as graph parameters: module formats from the stored tensors.
     pub fn vision_params(&self, vc: &VisionConfig) -> Vec<WeightParam> {
+        let res = TowerResolver(self);
         tower_params(vc)
             .into_iter()
-            .map(|p| {
-                let format = if p.module {
-                    self.module_format(&self.tower_index, &p.name, Some(&p.shape))
-                } else {
-                    let dtype = self.tower_index.get(&p.name).and_then(|t| super::float_type(t.dtype));
-                    markbase_graph::WeightFormat::Float { dtype: dtype.unwrap_or(markbase_graph::FloatType::Bf16) }
-                };
-                WeightParam { name: p.name, shape: p.shape, format, module: p.module }
-            })
+            .map(|p| WeightParam { format: res.format(&p.name, &p.shape, p.module), name: p.name, shape: p.shape, module: p.module })
             .collect()
     }
 
