@@ -363,6 +363,13 @@ impl OutFile {
         std::fs::OpenOptions::new().append(true).create(true).open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         Ok(OutFile { path: path.to_path_buf(), created: !existed, written: false })
     }
+
+    /// Writes the f32 array `data` of `shape` (see [`write_npy`]) and keeps the file.
+    pub fn write_f32(mut self, shape: &[usize], data: &[f32]) -> Result<(), String> {
+        write_npy(&self.path, shape, data)?;
+        self.written = true;
+        Ok(())
+    }
 }
 
 impl Drop for OutFile {

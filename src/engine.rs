@@ -409,7 +409,7 @@ impl Session {
         let pos = [self.history.len() as u32];
         let tok = [token.unwrap_or(0)];
         let words = s.words(self.steps, 0);
-        let step = StepInputs { tokens: &tok, positions: &pos, sampling: words, recent: &[] };
+        let step = StepInputs { tokens: &tok, positions: &pos, sampling: words, recent: &[], ..Default::default() };
         self.exec.submit(key, &self.graphs[&key], &step, token.is_none()).map_err(Error::Device)?;
         if token.is_none() {
             self.unread.push_back(self.history.len());
@@ -469,7 +469,7 @@ impl Session {
             let mut recent: Vec<u32> = self.history.iter().chain(chunk.iter()).rev().take(RECENT_TOKENS).cloned().collect();
             recent.reverse();
             let words = sampling.map(|s| s.words(self.steps, recent.len() as u32)).unwrap_or_default();
-            let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent };
+            let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent, ..Default::default() };
             last = self.exec.run(key, &self.graphs[&key], &step, all_logits).map_err(Error::Device)?;
             self.runs += 1;
             self.history.extend_from_slice(chunk);

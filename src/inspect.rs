@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use markbase_graph::{BuildOptions, Family, LayerType, ModelConfig};
 use serde_json::{json, Value};
 
+use crate::loader::towers::TowerSummary;
 use crate::loader::{read_config, Checkpoint, Report};
 
 /// One decoder layer.
@@ -63,6 +64,8 @@ pub struct InspectReport {
     /// KV-cache bytes per 1024 tokens (f32 K+V over the layers that own a cache).
     pub kv_bytes_per_1k: Option<u64>,
     pub tower_tensors: usize,
+    /// The vision and audio towers (`None`: the checkpoint could not be opened).
+    pub towers: Option<TowerSummary>,
     /// What the loader inferred from the tensors.
     pub notes: Vec<String>,
     /// `None` when the expected-tensor check ran; else why it could not.
@@ -91,6 +94,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> InspectReport {
         weight_bytes: None,
         kv_bytes_per_1k: None,
         tower_tensors: 0,
+        towers: None,
         notes: vec![],
         check_unavailable: None,
         report: None,
@@ -140,8 +144,26 @@ pub fn inspect(dir: impl AsRef<Path>) -> InspectReport {
         })
         .collect();
 
+    r.towers = Some(cp.tower_summary());
     match cp.build(BuildOptions::prefill(1, 1)) {
-        Ok(graph) => r.report = Some(cp.check(&graph)),
+        Ok(graph) => {
+            let mut rep = cp.check(&graph);
+            // the vision tower's tensors, checked as the text model's are; its errors leave the
+            // text model usable, so they are listed as warnings that say what they cost
+            let vision = match cp.vision_config() {
+                Ok(Some(vc)) => cp.check_vision(&vc).problems,
+                Ok(None) => vec![],
+                Err(e) => vec![crate::loader::Problem::error("config.json", e.to_string())],
+            };
+            for mut p in vision {
+                if p.is_error() {
+                    p.severity = crate::loader::Severity::Warning;
+                    p.message.push_str(" (images cannot be used)");
+                }
+                rep.push(p);
+            }
+            r.report = Some(rep);
+        }
         Err(e) => {
             r.check_unavailable = Some(format!("expected-tensor check unavailable ({e})"));
             let mut rep = Report::new(dir, cp.prefix());
@@ -290,7 +312,8 @@ impl InspectReport {
             "moe": self.moe,
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_1k_tokens": self.kv_bytes_per_1k,
-            "tower_tensors_ignored": self.tower_tensors,
+            "tower_tensors": self.tower_tensors,
+            "towers": self.towers,
             "notes": self.notes,
             "check_unavailable": self.check_unavailable,
             "problems": problems,
@@ -347,8 +370,27 @@ impl fmt::Display for InspectReport {
             let own = self.layers.iter().filter(|l| l.kv_source == l.index).count();
             writeln!(f, "kv cache: {} per 1k tokens (f32 K+V, {own} of {} layers own a cache)", human_bytes(k), self.layers.len())?;
         }
-        if self.tower_tensors > 0 {
-            writeln!(f, "towers: {} vision/audio tensors ignored", self.tower_tensors)?;
+        if let Some(t) = &self.towers {
+            if let Some(v) = &t.vision {
+                writeln!(
+                    f,
+                    "vision tower: {v}, {} layers, {} parameters ({}), stored as {}, {} soft tokens per image",
+                    t.vision_layers,
+                    human_count(t.vision_params),
+                    human_bytes(t.vision_bytes),
+                    t.vision_storage.join(" + "),
+                    t.soft_tokens
+                )?;
+            }
+            let other = self.tower_tensors - t.audio_tensors.len();
+            if t.vision.is_none() && other > 0 {
+                writeln!(f, "towers: {other} vision tensors, not used (config.json has no supported vision_config)")?;
+            }
+            if !t.audio_tensors.is_empty() {
+                writeln!(f, "audio tower: {} tensors, not used (audio input is not supported)", t.audio_tensors.len())?;
+            }
+        } else if self.tower_tensors > 0 {
+            writeln!(f, "towers: {} vision/audio tensors", self.tower_tensors)?;
         }
         for n in &self.notes {
             writeln!(f, "inferred: {n}")?;

@@ -15,10 +15,12 @@ pub mod inspect;
 pub mod loader;
 pub mod memory;
 pub mod model;
+pub mod npy;
 pub mod quant;
 pub mod server;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod vision;
 pub mod weights;
 
 pub use error::Error;

@@ -204,6 +204,31 @@ enum Cmd {
         /// Print the K largest ids and logits of each position (`position token id:logit ...`).
         #[arg(long, value_name = "K")]
         top: Option<usize>,
+        /// An image whose soft tokens fill the next run of image placeholders in --tokens (which
+        /// hold each image's run, in order, as the HF processor writes them); repeatable.
+        #[arg(long = "image")]
+        images: Vec<PathBuf>,
+    },
+    /// Write the soft-token embeddings of images (after the projector, `[N, D_text]` f32) as .npy.
+    Encode {
+        /// Model directory (MLX checkpoint with a vision tower).
+        #[arg(short = 'm', long = "model")]
+        model: PathBuf,
+        /// PNG, JPEG or WebP image; repeatable (the rows of each follow the previous ones).
+        #[arg(long = "image", required = true)]
+        images: Vec<PathBuf>,
+        /// The .npy file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Gemma 4: soft tokens per image (70, 140, 280, 560 or 1120; default: the checkpoint's).
+        #[arg(long)]
+        max_soft_tokens: Option<usize>,
+        /// vulkan | metal | dx12 | gl | cpu (default: MARKBASE_BACKEND, else the platform's best GPU).
+        #[arg(long)]
+        backend: Option<String>,
+        /// Check every value the GPU computes for NaN.
+        #[arg(long)]
+        check_nan: bool,
     },
     /// Write the log-mel features of an audio clip (what the audio tower takes) as .npy.
     Features {
@@ -308,7 +333,17 @@ fn main() -> ExitCode {
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
         Cmd::Serve(args) => markbase::server::serve(args),
-        Cmd::Logits { run, tokens, out: path, last, top } => (|| {
+        Cmd::Logits { run, tokens, out: path, last, top, images } if !images.is_empty() => (|| {
+            let t = cli::parse_tokens(&tokens)?;
+            if last || top.is_some() {
+                return Err("with --image, logits writes every position's logits (no --last or --top)".to_string());
+            }
+            let file = cli::OutFile::check(path.as_deref().unwrap_or(std::path::Path::new("logits.npy")))?;
+            let device = cli::parse_device(run.backend.as_deref())?;
+            let (logits, vocab) = markbase::vision::encode::logits_with_images(&run.model, &t, &images, device, run.check_nan)?;
+            file.write_f32(&[t.len(), vocab], &logits)
+        })(),
+        Cmd::Logits { run, tokens, out: path, last, top, .. } => (|| {
             let t = cli::parse_tokens(&tokens)?;
             if top == Some(0) {
                 return Err("--top must be at least 1".to_string());
@@ -326,6 +361,15 @@ fn main() -> ExitCode {
         Cmd::Features { audio, out: path, model, family, long } => {
             markbase::audio::features_command(&audio, &path, model.as_deref(), &family, &long).map(|s| out(&s))
         }
+        Cmd::Encode { model, images, out: path, max_soft_tokens, backend, check_nan } => (|| {
+            let file = cli::OutFile::check(&path)?;
+            let device = cli::parse_device(backend.as_deref())?;
+            let (rows, width, counts) = markbase::vision::encode::encode_files(&model, &images, device, max_soft_tokens, check_nan)?;
+            let n = rows.len() / width.max(1);
+            file.write_f32(&[n, width], &rows)?;
+            eprintln!("{}: soft tokens per image {counts:?}, [{n}, {width}] f32", path.display());
+            Ok(())
+        })(),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

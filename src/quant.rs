@@ -136,10 +136,15 @@ fn shape_str(s: &[usize]) -> String {
 fn layout(w: &WeightData) -> Result<Layout<'_>, String> {
     let name = &w.param.name;
     let shape = &w.param.shape;
-    let cols = *shape.last().ok_or_else(|| format!("{name}: empty shape"))?;
+    // a 0-d tensor (a scalar) is one row of one value
+    let cols = match shape.last() {
+        Some(&c) => c,
+        None if !w.param.module => 1,
+        None => return Err(format!("{name}: empty shape")),
+    };
     let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| format!("{name}: shape overflows"))?;
     let rows = numel.checked_div(cols).unwrap_or(0);
-    let lead = &shape[..shape.len() - 1];
+    let lead = &shape[..shape.len().saturating_sub(1)];
     match w.param.format {
         WeightFormat::Float { .. } => {
             let t = &w.weight;

@@ -91,6 +91,12 @@ fn variant_names(op: &Op) -> &'static [&'static str] {
         Op::Slice { .. } => &["slice"],
         Op::Argmax => &["argmax"],
         Op::Sample => &["sample"],
+        Op::Clamp => &["clamp"],
+        Op::Rope2d { .. } => &["rope_2d"],
+        Op::FullAttention { .. } => &["full_attention"],
+        Op::AvgPool { .. } => &["avg_pool"],
+        Op::LayerNorm { .. } => &["layer_norm"],
+        Op::Scatter => &["scatter"],
     }
 }
 
@@ -688,6 +694,70 @@ fn perf_cases(cs: &mut Cases) {
     });
 }
 
+/// The vision towers' ops: clamps with scalar bounds of each dtype, 2-D RoPE, bidirectional
+/// attention over several key tiles (masked keys, GQA, SigLIP's head dim 72), pooling of
+/// patch grids, LayerNorm with and without bias.
+fn vision(cs: &mut Cases) {
+    for (t, d) in [(3usize, 40usize), (17, 96)] {
+        cs.add("clamp", format!("x f32[{t}, {d}] bounds [1]"), t, EXACT, |cx| {
+            let x = cx.b.act(&[t, d], 2.0);
+            let lo = cx.b.weight("norm0", &[1], cx.vec, false);
+            let hi = cx.b.weight("norm", &[1], cx.vec, false);
+            (cx.b.op(Op::Clamp, &[x, lo, hi]), x)
+        });
+    }
+    for (t, h, d, theta) in [(5usize, 2usize, 64usize, 100.0f32), (12, 3, 32, 100.0), (7, 1, 72, 10_000.0)] {
+        cs.add("rope_2d", format!("x f32[{t}, {h}, {d}] theta {theta}"), t, ROPE, |cx| {
+            let x = cx.b.act(&[t, h, d], 1.0);
+            // columns: the token ids, rows: the positions
+            (cx.b.op(Op::Rope2d { theta }, &[x, cx.b.tokens, cx.b.positions]), x)
+        });
+    }
+    for (t, nq, nkv, d, mask) in [(5usize, 2usize, 2usize, 32usize, false), (70, 4, 2, 72, true), (130, 2, 1, 64, true), (9, 2, 2, 256, false)] {
+        let desc = format!("q f32[{t}, {nq}, {d}] kv [{t}, {nkv}, {d}] mask {mask}");
+        cs.add("full_attention", desc, t, ATTENTION, |cx| {
+            let q = cx.b.act(&[t, nq, d], 1.0);
+            let k = cx.b.act(&[t, nkv, d], 1.0);
+            let v = cx.b.act(&[t, nkv, d], 1.0);
+            cx.flops = (4 * t * t * nq * d) as f64;
+            let mut ins = vec![q, k, v];
+            if mask {
+                // keys with token id 0 are padding: every 5th
+                for i in (0..t).step_by(5) {
+                    cx.tokens[i] = 0;
+                }
+                ins.push(cx.b.tokens);
+            }
+            (cx.b.op(Op::FullAttention { scale: 1.0 / (d as f32).sqrt() }, &ins), q)
+        });
+    }
+    for (rows, cols, k, d) in [(6usize, 9usize, 3usize, 40usize), (8, 4, 4, 24), (3, 5, 1, 7)] {
+        let t = rows * cols;
+        cs.add("avg_pool", format!("grid {rows}x{cols} k {k} x f32[{t}, {d}]"), t, NORM, |cx| {
+            let x = cx.b.act(&[t, d], 1.0);
+            (cx.b.op(Op::AvgPool { rows, cols, k }, &[x]), x)
+        });
+    }
+    for (t, d) in [(1usize, 16usize), (9, 40)] {
+        cs.add("scatter", format!("x f32[{t}, {d}] rows [{t}, {d}]"), t, EXACT, |cx| {
+            let x = cx.b.act(&[t, d], 1.0);
+            let rows = cx.b.act(&[t, d], 2.0);
+            // token t takes row t - 1 of rows, token 0 keeps its own
+            (cx.b.op(Op::Scatter, &[x, rows, cx.b.positions]), x)
+        });
+    }
+    for (t, d, bias) in [(3usize, 72usize, true), (1, 1152, true), (6, 5, false)] {
+        cs.add("layer_norm", format!("x f32[{t}, {d}] bias {bias}"), t, NORM, |cx| {
+            let x = cx.b.act(&[t, d], 3.0);
+            let mut ins = vec![x, cx.b.weight("norm", &[d], cx.vec, false)];
+            if bias {
+                ins.push(cx.b.weight("norm0", &[d], cx.vec, false));
+            }
+            (cx.b.op(Op::LayerNorm { eps: 1e-6 }, &ins), x)
+        });
+    }
+}
+
 fn all_cases(perf: bool) -> Vec<Case> {
     let mut cs = Cases { v: vec![], seed: ops_harness::base_seed() };
     if perf {
@@ -701,6 +771,7 @@ fn all_cases(perf: bool) -> Vec<Case> {
     matmuls(&mut cs);
     routing(&mut cs);
     sampling(&mut cs);
+    vision(&mut cs);
     cs.v
 }
 

@@ -119,6 +119,7 @@ fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
         KernelSpec::MoeGroup => vec![(0, rust::<MoeGroupParams>())],
         KernelSpec::Copy => vec![(0, rust::<CopyParams>())],
         KernelSpec::Argmax { .. } | KernelSpec::Sample { .. } => vec![(0, rust::<ArgmaxParams>())],
+        KernelSpec::Vision(_) => vec![(0, rust::<VisionParams>())],
     }
 }
 
@@ -136,6 +137,7 @@ fn all_params() -> Vec<Layout> {
         rust::<MoeGroupParams>(),
         rust::<CopyParams>(),
         rust::<ArgmaxParams>(),
+        rust::<VisionParams>(),
     ]
 }
 

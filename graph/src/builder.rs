@@ -70,6 +70,9 @@ pub struct BuildOptions {
     pub bf16_constants: bool,
     /// The fusion rules run on the built graph (see [`crate::fuse`]).
     pub fuse: FuseOptions,
+    /// Soft-token rows (images) the prompt's embeddings take (inputs `soft_rows` `[N, D]` and
+    /// `soft_index` `[T]`, see [`crate::ops::Op::Scatter`]); 0: none. Gemma 4 only.
+    pub soft_rows: usize,
 }
 
 impl BuildOptions {
@@ -84,6 +87,7 @@ impl BuildOptions {
             sample: false,
             bf16_constants: false,
             fuse: FuseOptions::all(),
+            soft_rows: 0,
         }
     }
     pub fn decode(max_context: usize, chunk: usize) -> Self {
@@ -97,6 +101,7 @@ impl BuildOptions {
             sample: false,
             bf16_constants: false,
             fuse: FuseOptions::all(),
+            soft_rows: 0,
         }
     }
 }
@@ -130,6 +135,9 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
             "tokens {} must be <= chunk {} <= max_context {}",
             o.tokens, o.chunk, o.max_context
         )));
+    }
+    if o.soft_rows > 0 && cfg.family != Family::Gemma4 {
+        return Err(BuildError::Config(format!("model_type {}: image rows in the prompt are supported for Gemma 4 only", cfg.model_type)));
     }
     let g = match cfg.family {
         Family::Gemma3 => models::gemma3::build(cfg, res, o),

@@ -53,6 +53,15 @@ pub enum InputKind {
     SamplingParams,
     /// Recent token ids `u32[R]` for the repetition penalty.
     RecentTokens,
+    /// Image patches `f32[P, K]` (a vision tower's input).
+    Pixels,
+    /// Column and row of each patch `u32[P]` (a vision tower's positions).
+    PatchX,
+    PatchY,
+    /// Soft-token rows `f32[N, D]` put into a prompt's embeddings, and for each token the
+    /// row it takes, plus one (0: its own embedding) `u32[T]`.
+    SoftRows,
+    SoftIndex,
 }
 
 /// Persistent state owned by the runtime across steps.

@@ -11,6 +11,8 @@ pub mod models;
 pub mod ops;
 pub mod passes;
 pub mod quant;
+pub mod tower;
+pub mod vision;
 
 pub use builder::{build, build_from_config, BuildOptions, Outputs, WeightResolver};
 pub use fuse::FuseOptions;

@@ -193,6 +193,27 @@ pub enum Op {
     /// `[temperature, top_k, top_p, min_p, repetition_penalty, seed, step, n_recent]`;
     /// the first `n_recent` ids of `recent` get the repetition penalty. Temperature 0 = greedy.
     Sample,
+    /// `[x: f32[..], lo: f32-weight[], hi: f32-weight[]] -> x`: `min(max(x, lo), hi)` with
+    /// scalar bounds (the input and output clips of Gemma 4's clipped linears).
+    Clamp,
+    /// `[x: f32[T, H, D], px: u32[T], py: u32[T]] -> f32[T, H, D]`: 2-D RoPE (D a multiple of
+    /// 4): channels `0..D/2` rotate with `px`, `D/2..D` with `py`; inside each half the
+    /// rotate-half pairs `(i, i + D/4)` turn by `pos / theta^(4i/D)`.
+    Rope2d { theta: f32 },
+    /// `[q: f32[T, H, D], k: f32[S, Hk, D], v: f32[S, Hk, D], valid?: u32[S]] -> f32[T, H, D]`:
+    /// `softmax(q kᵀ · scale) v` over every key (bidirectional, no cache); keys whose `valid`
+    /// word is 0 are masked out (a query with no valid key gets zeros). Head `h` reads kv
+    /// head `h / (H / Hk)`.
+    FullAttention { scale: f32 },
+    /// `[x: f32[rows * cols, D]] -> f32[(rows / k) * (cols / k), D]`: the mean of each k×k
+    /// block of the row-major grid of rows, blocks in row-major order.
+    AvgPool { rows: usize, cols: usize, k: usize },
+    /// `[x: f32[.., D], w: f32-weight[D], b?: f32-weight[D]] -> x`:
+    /// `(x - mean) / sqrt(var + eps) * w (+ b)` over the last dim.
+    LayerNorm { eps: f32 },
+    /// `[x: f32[T, D], rows: f32[N, D], src: u32[T]] -> f32[T, D]`: row `t` of x replaced by
+    /// `rows[src[t] - 1]` where `src[t] > 0` (soft-token rows into a prompt's embeddings).
+    Scatter,
 }
 
 /// Heads `start..start + count` of a value with more heads (a fused q/k/v projection's output).
@@ -268,6 +289,12 @@ impl Op {
             Op::Slice { .. } => "slice",
             Op::Argmax => "argmax",
             Op::Sample => "sample",
+            Op::Clamp => "clamp",
+            Op::Rope2d { .. } => "rope_2d",
+            Op::FullAttention { .. } => "full_attention",
+            Op::AvgPool { .. } => "avg_pool",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Scatter => "scatter",
         }
     }
 
@@ -334,6 +361,10 @@ impl Op {
             Op::MoeGroup { experts } => format!("experts={experts}"),
             Op::Reshape { shape } => format!("shape={shape:?}"),
             Op::Slice { axis, start, len } => format!("axis={axis} start={start} len={len}"),
+            Op::Rope2d { theta } => format!("theta={theta}"),
+            Op::FullAttention { scale } => format!("scale={scale} bidirectional"),
+            Op::AvgPool { rows, cols, k } => format!("grid={rows}x{cols} k={k}"),
+            Op::LayerNorm { eps } => format!("eps={eps:e}"),
             _ => String::new(),
         }
     }
@@ -642,6 +673,67 @@ impl Op {
                     return Err(err(format!("logits {}", l.describe())));
                 }
                 Ok(TensorType::u32(&[1]))
+            }
+            Op::Clamp => {
+                need(3)?;
+                let x = f32_in(0)?;
+                if inputs[1].numel() != 1 || inputs[2].numel() != 1 {
+                    return Err(err(format!("bounds {} {} must be scalars", inputs[1].describe(), inputs[2].describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::Rope2d { .. } => {
+                need(3)?;
+                let x = f32_in(0)?;
+                let (px, py) = (u32_in(1)?, u32_in(2)?);
+                if x.shape.len() != 3 || x.shape[2] % 4 != 0 || px.shape != [x.shape[0]] || py.shape != px.shape {
+                    return Err(err(format!("x {} px {} py {}", x.describe(), px.describe(), py.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::FullAttention { .. } => {
+                if inputs.len() != 3 && inputs.len() != 4 {
+                    return Err(err(format!("expects 3 or 4 inputs, got {}", inputs.len())));
+                }
+                let q = f32_in(0)?;
+                let k = f32_in(1)?;
+                let v = f32_in(2)?;
+                let ok = q.shape.len() == 3 && k.shape.len() == 3 && k.shape == v.shape && q.shape[2] == k.shape[2] && k.shape[1] > 0 && q.shape[1] % k.shape[1] == 0;
+                if !ok || k.shape[0] == 0 {
+                    return Err(err(format!("q {} k {} v {}", q.describe(), k.describe(), v.describe())));
+                }
+                if inputs.len() == 4 && u32_in(3)?.shape != [k.shape[0]] {
+                    return Err(err(format!("valid {} for {} keys", inputs[3].describe(), k.shape[0])));
+                }
+                Ok(q.clone())
+            }
+            Op::AvgPool { rows, cols, k } => {
+                need(1)?;
+                let x = f32_in(0)?;
+                if x.shape.len() != 2 || x.shape[0] != rows * cols || *k == 0 || rows % k != 0 || cols % k != 0 {
+                    return Err(err(format!("x {} as a {rows}x{cols} grid, k {k}", x.describe())));
+                }
+                Ok(TensorType::f32(&[(rows / k) * (cols / k), x.shape[1]]))
+            }
+            Op::LayerNorm { .. } => {
+                if inputs.len() != 2 && inputs.len() != 3 {
+                    return Err(err(format!("expects 2 or 3 inputs, got {}", inputs.len())));
+                }
+                let x = f32_in(0)?;
+                if let Some(i) = (1..inputs.len()).find(|&i| inputs[i].shape != [x.last()]) {
+                    return Err(err(format!("weight {} for x {}", inputs[i].describe(), x.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::Scatter => {
+                need(3)?;
+                let x = f32_in(0)?;
+                let r = f32_in(1)?;
+                let src = u32_in(2)?;
+                if x.shape.len() != 2 || r.shape.len() != 2 || r.shape[1] != x.shape[1] || src.shape != [x.shape[0]] {
+                    return Err(err(format!("x {} rows {} src {}", x.describe(), r.describe(), src.describe())));
+                }
+                Ok(x.clone())
             }
             Op::Sample => {
                 need(3)?;

@@ -11,7 +11,7 @@ use markbase_graph::ir::{InputKind, NodeKind, StateKind};
 use markbase_graph::ops::Op;
 use markbase_graph::passes::Compiled;
 
-use crate::cpu::ops;
+use crate::cpu::{ops, vision_ops};
 use crate::quant;
 use crate::weights::Weights;
 
@@ -103,13 +103,21 @@ pub struct StepInputs<'a> {
     pub sampling: [u32; 8],
     /// Recent token ids for the repetition penalty.
     pub recent: &'a [u32],
+    /// Image patches and their columns and rows (vision tower graphs).
+    pub pixels: &'a [f32],
+    pub patch_x: &'a [u32],
+    pub patch_y: &'a [u32],
+    /// Soft-token rows and, per token, the row it takes plus one (graphs built with them).
+    pub soft_rows: &'a [f32],
+    pub soft_index: &'a [u32],
 }
 
 /// Runs `c` once.
 pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepInputs) -> Result<Outputs, String> {
     let (tokens, positions) = (step.tokens, step.positions);
     let g = &c.graph;
-    if tokens.len() != g.tokens || positions.len() != g.tokens {
+    let reads = |k: InputKind| g.g.node_indices().any(|n| matches!(g.node(n).kind, NodeKind::Input { input } if input == k));
+    if (reads(InputKind::Tokens) && tokens.len() != g.tokens) || (reads(InputKind::Positions) && positions.len() != g.tokens) {
         return Err(format!("graph takes {} tokens, got {}", g.tokens, tokens.len()));
     }
     let mut vals: Vec<Option<Val>> = vec![None; g.g.node_count()];
@@ -125,6 +133,18 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     let mut r = step.recent.to_vec();
                     r.resize(node.ty.numel(), 0);
                     Val::U(Arc::new(r))
+                }
+                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex => {
+                    let n = node.ty.numel();
+                    let v = match input {
+                        InputKind::Pixels if step.pixels.len() == n => Val::F(Arc::new(step.pixels.to_vec())),
+                        InputKind::PatchX if step.patch_x.len() == n => Val::U(Arc::new(step.patch_x.to_vec())),
+                        InputKind::PatchY if step.patch_y.len() == n => Val::U(Arc::new(step.patch_y.to_vec())),
+                        InputKind::SoftRows if step.soft_rows.len() == n => Val::F(Arc::new(step.soft_rows.to_vec())),
+                        InputKind::SoftIndex if step.soft_index.len() == n => Val::U(Arc::new(step.soft_index.to_vec())),
+                        _ => return Err(format!("input {} takes {n} values ({}), the step has a different count", node.name, node.ty.describe())),
+                    };
+                    v
                 }
             },
             NodeKind::Weight { weight } => {
@@ -349,6 +369,45 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let mut pw = [0u32; 8];
                         pw.copy_from_slice(&p.u()[..8]);
                         Val::U(Arc::new(vec![ops::sample(last, &pw, r.u())]))
+                    }
+                    Op::Clamp => {
+                        let x = get(&vals, ins[0]);
+                        let lo = weight_or_value(g, w, &vals, ins[1])?;
+                        let hi = weight_or_value(g, w, &vals, ins[2])?;
+                        vision_ops::clamp(x.f(), lo[0], hi[0], &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::Rope2d { theta } => {
+                        let x = get(&vals, ins[0]);
+                        let (px, py) = (get(&vals, ins[1]), get(&vals, ins[2]));
+                        let s = &node.ty.shape;
+                        vision_ops::rope_2d(x.f(), px.u(), py.u(), s[1], s[2], *theta, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::FullAttention { scale } => {
+                        let (q, k, v) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]));
+                        let valid = ins.get(3).map(|&m| get(&vals, m));
+                        let (nq, d) = (node.ty.shape[1], node.ty.shape[2]);
+                        let nkv = g.node(ins[1]).ty.shape[1];
+                        vision_ops::full_attention(q.f(), k.f(), v.f(), valid.as_ref().map(|m| m.u()), nq, nkv, d, *scale, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::AvgPool { rows, cols, k } => {
+                        let x = get(&vals, ins[0]);
+                        vision_ops::avg_pool(x.f(), *rows, *cols, *k, node.ty.last(), &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::LayerNorm { eps } => {
+                        let x = get(&vals, ins[0]);
+                        let wt = weight_or_value(g, w, &vals, ins[1])?;
+                        let b = ins.get(2).map(|&b| weight_or_value(g, w, &vals, b)).transpose()?;
+                        vision_ops::layer_norm(x.f(), &wt, b.as_deref().map(|v| v.as_slice()), node.ty.last(), *eps, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::Scatter => {
+                        let (x, rows, src) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]));
+                        vision_ops::scatter(x.f(), rows.f(), src.u(), node.ty.last(), &mut out).map_err(|e| format!("node {}: {e}", node.name))?;
+                        Val::F(Arc::new(out))
                     }
                     Op::Argmax => {
                         let l = get(&vals, ins[0]);

@@ -2,3 +2,4 @@
 
 pub mod exec;
 pub mod ops;
+pub mod vision_ops;

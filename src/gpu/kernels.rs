@@ -40,6 +40,7 @@ pub use super::ops::matmul::{
 pub use super::ops::rmsnorm::{RmsNormKernel, RmsNormParams};
 pub use super::ops::rope::{rope_turn_fraction, RopeKernel, RopeParams, MAX_ROPE_PAIRS};
 pub use super::ops::routing::{MoeGroupKernel, MoeGroupParams, RoutingKernel, RoutingParams};
+pub use super::ops::vision::{VisionKernel, VisionParams};
 
 pub(crate) const COMMON: &str = include_str!("../../wgsl/common.wgsl");
 pub(crate) const WEIGHTS: &str = include_str!("../../wgsl/weights.wgsl");
@@ -138,6 +139,8 @@ pub enum KernelSpec {
     Argmax { wg: u32 },
     /// `Op::Sample`: stage `stage` of [`super::sample::STAGES`] (see [`super::sample`]).
     Sample { stage: u32 },
+    /// The vision towers' ops (`vision.wgsl`).
+    Vision(super::ops::vision::VisionKernel),
 }
 
 

@@ -411,6 +411,19 @@ impl GpuExecutor {
                     r.resize(n, 0);
                     q.write_buffer(b, 0, bytemuck::cast_slice(&r));
                 }
+                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex => {
+                    let bytes: &[u8] = match kind {
+                        InputKind::Pixels => bytemuck::cast_slice(step.pixels),
+                        InputKind::PatchX => bytemuck::cast_slice(step.patch_x),
+                        InputKind::PatchY => bytemuck::cast_slice(step.patch_y),
+                        InputKind::SoftRows => bytemuck::cast_slice(step.soft_rows),
+                        _ => bytemuck::cast_slice(step.soft_index),
+                    };
+                    if bytes.len() as u64 != b.size() {
+                        return Err(format!("input {kind:?}: {} bytes given, the graph takes {}", bytes.len(), b.size()));
+                    }
+                    q.write_buffer(b, 0, bytes);
+                }
             }
         }
         let slot = p.next_slot;

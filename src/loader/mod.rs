@@ -15,6 +15,7 @@ pub mod adjust;
 pub mod names;
 pub mod report;
 pub mod safetensors;
+pub mod towers;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fs::File;
@@ -93,7 +94,7 @@ impl TensorInfo {
     /// Bytes of this canonical tensor.
     pub fn nbytes(&self) -> usize {
         match self.part {
-            Part::Whole => self.len,
+            Part::Whole | Part::Transposed => self.len,
             Part::Half { .. } => self.len / 2,
         }
     }
@@ -129,8 +130,10 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     /// Text-model and other non-tower tensors, by canonical name.
     tensors: BTreeMap<String, TensorInfo>,
-    /// Ignored vision/audio tower tensors (stored names).
+    /// Vision/audio tower and projector tensors (stored names), not part of the text model.
     towers: Vec<String>,
+    /// The tower tensors by name (see [`towers`]).
+    tower_index: BTreeMap<String, TensorInfo>,
     /// Problems found while opening (header defects, config/tensor disagreements).
     problems: Vec<Problem>,
     notes: Vec<String>,
@@ -271,6 +274,7 @@ impl Checkpoint {
         // Index of canonical names.
         let mut tensors: BTreeMap<String, TensorInfo> = BTreeMap::new();
         let mut towers = vec![];
+        let mut tower_index = BTreeMap::new();
         let mut stored_in: BTreeMap<String, usize> = BTreeMap::new();
         for (fi, h) in &headers {
             let fname = &shards[*fi].name;
@@ -298,6 +302,22 @@ impl Checkpoint {
                     }
                 }
                 if tower {
+                    let info = TensorInfo {
+                        name: e.name.clone(),
+                        stored_name: e.name.clone(),
+                        file: *fi,
+                        dtype_name: e.dtype_name.clone(),
+                        dtype: e.dtype,
+                        shape: e.shape.clone(),
+                        offset: h.data_start + e.begin,
+                        len: e.end - e.begin,
+                        part: Part::Whole,
+                        defect: e.defect.clone(),
+                    };
+                    for d in towers::derived(&info) {
+                        tower_index.insert(d.name.clone(), d);
+                    }
+                    tower_index.insert(e.name.clone(), info);
                     continue;
                 }
                 for (cname, part) in canonical(&e.name) {
@@ -365,7 +385,7 @@ impl Checkpoint {
         let adj = adjust_config(&config, &prefix, &shape_of);
         problems.extend(adj.problems);
 
-        Ok(Checkpoint { dir, config: adj.config, config_json, prefix, shards, tensors, towers, problems, notes: adj.notes })
+        Ok(Checkpoint { dir, config: adj.config, config_json, prefix, shards, tensors, towers, tower_index, problems, notes: adj.notes })
     }
 
     pub fn dir(&self) -> &Path {
@@ -395,7 +415,7 @@ impl Checkpoint {
     pub fn tensors(&self) -> impl Iterator<Item = &TensorInfo> {
         self.tensors.values()
     }
-    /// Names of the ignored vision/audio tower tensors.
+    /// Names of the vision/audio tower and projector tensors (not part of the text model).
     pub fn tower_tensors(&self) -> &[String] {
         &self.towers
     }
@@ -423,6 +443,18 @@ impl Checkpoint {
         let src = map.get(t.offset..t.offset + t.len).ok_or_else(|| format!("tensor `{}`: data out of file bounds", t.stored_name))?;
         let bytes = match t.part {
             Part::Whole => src.to_vec(),
+            Part::Transposed => {
+                // canonical [r, c] from stored [c, r]
+                let (r, c) = (t.shape[0], t.shape[1]);
+                let b = dtype.bytes();
+                let mut v = vec![0u8; src.len()];
+                for i in 0..r {
+                    for j in 0..c {
+                        v[(i * c + j) * b..(i * c + j + 1) * b].copy_from_slice(&src[(j * r + i) * b..(j * r + i + 1) * b]);
+                    }
+                }
+                v
+            }
             Part::Half { second } => {
                 // Stored [..., 2*Im, C]: each leading index holds gate rows then up rows.
                 let outer: usize = t.shape[..t.shape.len() - 2].iter().product();
@@ -475,7 +507,7 @@ impl Checkpoint {
                 out.push(WeightParam { name: name.clone(), shape: t.shape.clone(), format: WeightFormat::Float { dtype }, module: false });
                 continue;
             }
-            let format = self.module_format(mname, None);
+            let format = self.module_format(&self.tensors, mname, None);
             let shape = match format {
                 WeightFormat::Quantized { spec, .. } if !t.shape.is_empty() => {
                     let mut s = t.shape.clone();
@@ -492,11 +524,12 @@ impl Checkpoint {
 
     /// Format of module `name` (tensors `name.weight`, `name.scales`, ...).
     /// `shape`: the expected float shape when known (used when nothing is stored).
-    fn module_format(&self, name: &str, shape: Option<&[usize]>) -> WeightFormat {
-        let w = self.tensors.get(&format!("{name}.weight"));
-        let s = self.tensors.get(&format!("{name}.scales"));
+    /// `index`: the tensors it is looked up in (the text model's or the towers').
+    fn module_format(&self, index: &BTreeMap<String, TensorInfo>, name: &str, shape: Option<&[usize]>) -> WeightFormat {
+        let w = index.get(&format!("{name}.weight"));
+        let s = index.get(&format!("{name}.scales"));
         if let Some(s) = s {
-            let global_scale = self.tensors.contains_key(&format!("{name}.global_scale"));
+            let global_scale = index.contains_key(&format!("{name}.global_scale"));
             let in_dim = shape.and_then(|v| v.last().copied());
             // Config first (override, else global); the shapes only when the config is silent.
             let spec = self.config.quant.for_module(name).or_else(|| {
@@ -529,7 +562,7 @@ impl Checkpoint {
         let mut seen = HashSet::new();
         for (_, p) in graph.weights() {
             if seen.insert(p.name.clone()) {
-                self.check_param(p, &mut used, &mut r);
+                self.check_param(&self.tensors, &self.prefix, p, &mut used, &mut r);
             }
         }
         for (name, t) in &self.tensors {
@@ -541,18 +574,18 @@ impl Checkpoint {
         r
     }
 
-    /// Checks the tensors of one weight parameter.
-    fn check_param<'a>(&'a self, p: &WeightParam, used: &mut HashSet<&'a str>, r: &mut Report) {
-        let pre = &self.prefix;
+    /// Checks the tensors of one weight parameter, looked up in `index` (names in problems
+    /// relative to `pre`).
+    fn check_param<'a>(&'a self, index: &'a BTreeMap<String, TensorInfo>, pre: &str, p: &WeightParam, used: &mut HashSet<&'a str>, r: &mut Report) {
         // Marks a tensor as used by the graph (if it exists).
         let mark = |used: &mut HashSet<&'a str>, full: &str| {
-            if let Some((k, _)) = self.tensors.get_key_value(full) {
+            if let Some((k, _)) = index.get_key_value(full) {
                 used.insert(k.as_str());
             }
         };
         // Looks a tensor up, marking it used; reports missing / unreadable ones.
         let get = |used: &mut HashSet<&'a str>, r: &mut Report, full: &str, expect: &str| -> Option<&'a TensorInfo> {
-            match self.tensors.get_key_value(full) {
+            match index.get_key_value(full) {
                 None => {
                     r.push(Problem::tensor(Severity::Error, full, pre, format!("missing (expected {expect})")));
                     None
@@ -597,7 +630,7 @@ impl Checkpoint {
         let gname = format!("{}.global_scale", p.name);
         let in_dim = p.shape.last().copied().unwrap_or(0);
         let lead = &p.shape[..p.shape.len().saturating_sub(1)];
-        let has = |n: &str| self.tensors.contains_key(n);
+        let has = |n: &str| index.contains_key(n);
         match p.format {
             WeightFormat::Float { .. } => {
                 if has(&sname) {
@@ -722,6 +755,18 @@ impl Checkpoint {
                 params.push(p);
             }
         }
+        self.copy_params(&self.tensors, &params, report, opts)
+    }
+
+    /// Copies the tensors of `params` (checked already; looked up in `index`) into weights;
+    /// read failures join `report`, and any error fails with it.
+    fn copy_params(
+        &self,
+        index: &BTreeMap<String, TensorInfo>,
+        params: &[&WeightParam],
+        report: Report,
+        opts: &LoadOptions,
+    ) -> Result<(Weights, Report), LoadError> {
         let parts = |p: &WeightParam| -> Vec<String> {
             if p.module {
                 [".weight", ".scales", ".biases", ".global_scale"].iter().map(|s| format!("{}{s}", p.name)).collect()
@@ -729,10 +774,10 @@ impl Checkpoint {
                 vec![p.name.clone()]
             }
         };
-        let total: u64 = params.iter().flat_map(|p| parts(p)).filter_map(|n| self.tensors.get(&n)).map(|t| t.nbytes() as u64).sum();
+        let total: u64 = params.iter().flat_map(|p| parts(p)).filter_map(|n| index.get(&n)).map(|t| t.nbytes() as u64).sum();
         let done = AtomicU64::new(0);
         let read = |n: &str| -> Result<Option<RawTensor>, String> {
-            match self.tensors.get(n) {
+            match index.get(n) {
                 None => Ok(None),
                 Some(t) => {
                     let raw = self.read_info(t)?;
@@ -779,7 +824,7 @@ impl WeightResolver for Checkpoint {
     /// shapes). Plain tensors: their stored float dtype.
     fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat {
         if module {
-            return self.module_format(name, Some(shape));
+            return self.module_format(&self.tensors, name, Some(shape));
         }
         let dtype = self.tensors.get(name).and_then(|t| float_type(t.dtype)).unwrap_or(FloatType::Bf16);
         WeightFormat::Float { dtype }

@@ -41,6 +41,8 @@ pub enum Part {
     /// One half along axis -2 of a fused `gate_up_proj` `[E, 2*Im, C]`:
     /// `second == false` is the gate (first `Im` rows), `true` the up projection.
     Half { second: bool },
+    /// The transpose of a stored 2-D float tensor (`[in, out]` projections read as `[out, in]`).
+    Transposed,
 }
 
 /// Canonical name(s) of a stored tensor. MoE expert stacks are accepted as

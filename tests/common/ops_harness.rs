@@ -277,7 +277,7 @@ pub struct Outcome {
 }
 
 fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<'a> {
-    StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent }
+    StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent, ..Default::default() }
 }
 
 const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false };

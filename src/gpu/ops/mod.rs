@@ -27,6 +27,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod routing;
 pub mod sample;
+pub mod vision;
 
 /// A kernel family's part of [`KernelSpec`]: each function answers `None` for the specs of
 /// other families.
@@ -49,6 +50,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     routing::FAMILY,
     copy::FAMILY,
     argmax::FAMILY,
+    vision::FAMILY,
 ];
 
 /// One recorded dispatch.
@@ -228,5 +230,6 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::MoeGroup { .. } | Op::TopK { .. } | Op::TopKSoftmax | Op::WeightedSum => routing::lower(cx),
         Op::Slice { .. } => copy::lower(cx),
         Op::Argmax | Op::Sample => argmax::lower(cx),
+        Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } | Op::Scatter => vision::lower(cx),
     }
 }

@@ -1,0 +1,227 @@
+//! Vision towers as op graphs: Gemma 4's ViT over one image's patch grid, and Gemma 3's
+//! SigLIP, through the pooled soft tokens and the projector into the text model's width.
+//!
+//! Inputs: `pixels` `f32[P, 3·patch²]` (the patches as the processor makes them, already
+//! mapped to [-1, 1] by the host: `2x − 1`), `patch_x` and `patch_y` `u32[P]`. Outputs:
+//! `soft` `[N, D_text]` (also `logits`, which executors expect, and `token`), and the
+//! intermediates `patch_embed`, `layer<i>` `[P, hidden]` and `pooled` `[N, hidden]`.
+
+use petgraph::graph::NodeIndex;
+
+use crate::builder::WeightResolver;
+use crate::ir::{BuildError, Graph, GraphKind, InputKind, WeightParam};
+use crate::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
+use crate::vision::{TowerKind, VisionConfig};
+
+/// Name of the half of Gemma 4's `[2, N, hidden]` position table holding the x rows (`.x`)
+/// or the y rows (`.y`), each a `[N, hidden]` table the loader serves from the stored one.
+pub const POSITION_TABLE: &str = "vision_tower.patch_embedder.position_embedding_table";
+
+struct T<'a> {
+    g: Graph,
+    res: &'a dyn WeightResolver,
+}
+
+impl T<'_> {
+    fn w(&mut self, name: &str, shape: &[usize], module: bool, layer: Option<usize>) -> NodeIndex {
+        let format = self.res.format(name, shape, module);
+        let label = name.rsplit_once("layers.").map_or(name, |(_, r)| r).to_string();
+        self.g.weight(&label, layer, WeightParam { name: name.to_string(), shape: shape.to_vec(), format, module })
+    }
+
+    fn op(&mut self, name: &str, layer: Option<usize>, op: Op, ins: &[NodeIndex]) -> Result<NodeIndex, BuildError> {
+        let name = match layer {
+            Some(l) => format!("v{l}.{name}"),
+            None => format!("v.{name}"),
+        };
+        self.g.op(&name, layer, op, ins)
+    }
+
+    /// `x @ W^T` of the module `p` (`[out, in]`). `clippable`: one of the encoder's clippable
+    /// linears (the module is `p.linear`), between its input and output clips when the tower
+    /// clips them.
+    fn linear(&mut self, vc: &VisionConfig, x: NodeIndex, p: &str, out: usize, clippable: bool, layer: Option<usize>) -> Result<NodeIndex, BuildError> {
+        let inn = self.g.node(x).ty.last();
+        let short = p.rsplit('.').next().unwrap_or(p).to_string();
+        let clip = |t: &mut Self, x: NodeIndex, which: &str| -> Result<NodeIndex, BuildError> {
+            let lo = t.w(&format!("{p}.{which}_min"), &[], false, layer);
+            let hi = t.w(&format!("{p}.{which}_max"), &[], false, layer);
+            t.op(&format!("{short}_{which}_clip"), layer, Op::Clamp, &[x, lo, hi])
+        };
+        let clipped = clippable && vc.clipped;
+        let x = if clipped { clip(self, x, "input")? } else { x };
+        let wname = if clippable { format!("{p}.linear") } else { p.to_string() };
+        let w = self.w(&wname, &[out, inn], true, layer);
+        let y = self.op(&short, layer, Op::MatMul, &[x, w])?;
+        if clipped {
+            clip(self, y, "output")
+        } else {
+            Ok(y)
+        }
+    }
+
+    fn norm(&mut self, name: &str, x: NodeIndex, w: Option<&str>, eps: f32, layer: Option<usize>) -> Result<NodeIndex, BuildError> {
+        let d = self.g.node(x).ty.last();
+        match w {
+            Some(w) => {
+                let wn = self.w(w, &[d], false, layer);
+                self.op(name, layer, Op::RmsNorm { eps, scale: NormScale::W }, &[x, wn])
+            }
+            None => self.op(name, layer, Op::RmsNorm { eps, scale: NormScale::None }, &[x]),
+        }
+    }
+}
+
+/// SigLIP's conv patch embedding (`.weight` `[hidden, kh, kw, 3]`, `.bias`); the graph reads
+/// the weight as the matrix `<this>.matrix` `[hidden, kh·kw·3]`.
+pub const SIGLIP_PATCH: &str = "vision_tower.vision_model.embeddings.patch_embedding";
+/// Gemma 3's projector `[hidden, D]` (`y = x W`), and the `[D, hidden]` linear the graph reads.
+pub const GEMMA3_PROJECTOR: &str = "multi_modal_projector.mm_input_projection_weight";
+pub const GEMMA3_PROJECTOR_LINEAR: &str = "multi_modal_projector.mm_input_projection";
+
+/// Gemma 3's SigLIP tower over its square input (`image_size / patch` patches a side), 4x4 (in
+/// general `pool`) average pooling and the projector. Inputs: `pixels` `f32[P, 3·patch²]`
+/// (normalised patches, (py, px, c) order) and `positions` `u32[P]` (the patch indices).
+pub fn build_siglip_tower(vc: &VisionConfig, res: &dyn WeightResolver) -> Result<Graph, BuildError> {
+    if vc.kind != TowerKind::Siglip {
+        return Err(BuildError::Config(format!("{} is not a SigLIP tower", vc.kind.name())));
+    }
+    let side = vc.grid_side();
+    let p = side * side;
+    let (h, hd, heads) = (vc.hidden, vc.head_dim, vc.heads);
+    let eps = vc.eps as f32;
+    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res };
+    let k = vc.patch * vc.patch * 3;
+    let pix = t.g.input("pixels", InputKind::Pixels, TensorType::f32(&[p, k]));
+    let pos = t.g.input("positions", InputKind::Positions, TensorType::u32(&[p]));
+    let vm = "vision_tower.vision_model";
+    let biased = |t: &mut T, x: NodeIndex, name: &str, module: &str, out: usize, l: Option<usize>| -> Result<NodeIndex, BuildError> {
+        let y = t.linear(vc, x, module, out, false, l)?;
+        let b = t.w(&format!("{module}.bias"), &[out], false, l);
+        t.op(name, l, Op::Binary { f: BinaryOp::Add }, &[y, b])
+    };
+    let ln = |t: &mut T, x: NodeIndex, name: &str, module: &str, l: Option<usize>| -> Result<NodeIndex, BuildError> {
+        let w = t.w(&format!("{module}.weight"), &[h], false, l);
+        let b = t.w(&format!("{module}.bias"), &[h], false, l);
+        t.op(name, l, Op::LayerNorm { eps }, &[x, w, b])
+    };
+    let w = t.w(&format!("{SIGLIP_PATCH}.matrix"), &[h, k], true, None);
+    let e = t.op("patch_matmul", None, Op::MatMul, &[pix, w])?;
+    let b = t.w(&format!("{SIGLIP_PATCH}.bias"), &[h], false, None);
+    let e = t.op("patch_bias", None, Op::Binary { f: BinaryOp::Add }, &[e, b])?;
+    let table = t.w(&format!("{vm}.embeddings.position_embedding"), &[vc.position_table, h], true, None);
+    let pe = t.op("positions", None, Op::Embed { scale: 1.0, clamp: None }, &[pos, table])?;
+    let mut x = t.op("patch_embed", None, Op::Binary { f: BinaryOp::Add }, &[e, pe])?;
+    t.g.set_output("patch_embed", x);
+    for i in 0..vc.layers {
+        let l = Some(i);
+        let pre = format!("{vm}.encoder.layers.{i}");
+        let a = ln(&mut t, x, "ln1", &format!("{pre}.layer_norm1"), l)?;
+        let mut qkv = vec![];
+        for n in ["q", "k", "v"] {
+            let y = biased(&mut t, a, &format!("{n}_proj"), &format!("{pre}.self_attn.{n}_proj"), heads * hd, l)?;
+            qkv.push(t.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![p, heads, hd] }, &[y])?);
+        }
+        let o = t.op("attention", l, Op::FullAttention { scale: (hd as f32).powf(-0.5) }, &qkv)?;
+        let o = t.op("attn_flat", l, Op::Reshape { shape: vec![p, heads * hd] }, &[o])?;
+        let o = biased(&mut t, o, "out_proj", &format!("{pre}.self_attn.out_proj"), h, l)?;
+        x = t.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
+        let a = ln(&mut t, x, "ln2", &format!("{pre}.layer_norm2"), l)?;
+        let m = biased(&mut t, a, "fc1", &format!("{pre}.mlp.fc1"), vc.intermediate, l)?;
+        let m = t.op("gelu", l, Op::Unary { f: UnaryOp::Gelu }, &[m])?;
+        let m = biased(&mut t, m, "fc2", &format!("{pre}.mlp.fc2"), h, l)?;
+        x = t.op("mlp_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, m])?;
+        t.g.set_output(&format!("layer{i}"), x);
+    }
+    let post = ln(&mut t, x, "post_ln", &format!("{vm}.post_layernorm"), None)?;
+    t.g.set_output("post_ln", post);
+    let pooled = t.op("pooled", None, Op::AvgPool { rows: side, cols: side, k: vc.pool }, &[post])?;
+    t.g.set_output("pooled", pooled);
+    let nw = t.w("multi_modal_projector.mm_soft_emb_norm.weight", &[h], false, None);
+    let n = t.op("soft_norm", None, Op::RmsNorm { eps, scale: NormScale::OnePlusW }, &[pooled, nw])?;
+    let soft = t.linear(vc, n, GEMMA3_PROJECTOR_LINEAR, vc.text_hidden, false, None)?;
+    finish(t, soft)
+}
+
+/// Sets the soft tokens as the graph's `soft` output (and as the `logits` and `token`
+/// executors expect).
+fn finish(mut t: T, soft: NodeIndex) -> Result<Graph, BuildError> {
+    t.g.set_output("soft", soft);
+    t.g.set_output("logits", soft);
+    let tok = t.op("argmax", None, Op::Argmax, &[soft])?;
+    t.g.set_output("token", tok);
+    Ok(t.g)
+}
+
+/// The graph of Gemma 4's vision tower over a `rows x cols` patch grid (both multiples of the
+/// pooling kernel).
+pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usize, cols: usize) -> Result<Graph, BuildError> {
+    if vc.kind != TowerKind::Gemma4Vit {
+        return Err(BuildError::Config(format!("{} is not Gemma 4's vision tower", vc.kind.name())));
+    }
+    if vc.standardize {
+        return Err(BuildError::Config("vision towers with standardize (Gemma 4 26B/31B) are not supported yet".into()));
+    }
+    let k = vc.pool;
+    if rows == 0 || cols == 0 || rows % k != 0 || cols % k != 0 {
+        return Err(BuildError::Config(format!("a {rows}x{cols} patch grid does not pool by {k}x{k}")));
+    }
+    if rows > vc.position_table || cols > vc.position_table {
+        return Err(BuildError::Config(format!("a {rows}x{cols} patch grid exceeds the position table ({} rows)", vc.position_table)));
+    }
+    let p = rows * cols;
+    let (h, hd, heads) = (vc.hidden, vc.head_dim, vc.heads);
+    let eps = vc.eps as f32;
+    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res };
+    let pix = t.g.input("pixels", InputKind::Pixels, TensorType::f32(&[p, vc.patch * vc.patch * 3]));
+    let px = t.g.input("patch_x", InputKind::PatchX, TensorType::u32(&[p]));
+    let py = t.g.input("patch_y", InputKind::PatchY, TensorType::u32(&[p]));
+
+    let emb = t.linear(vc, pix, "vision_tower.patch_embedder.input_proj", h, false, None)?;
+    let tx = t.w(&format!("{POSITION_TABLE}.x"), &[vc.position_table, h], true, None);
+    let ty = t.w(&format!("{POSITION_TABLE}.y"), &[vc.position_table, h], true, None);
+    let ex = t.op("pos_x", None, Op::Embed { scale: 1.0, clamp: None }, &[px, tx])?;
+    let ey = t.op("pos_y", None, Op::Embed { scale: 1.0, clamp: None }, &[py, ty])?;
+    let pos = t.op("pos", None, Op::Binary { f: BinaryOp::Add }, &[ex, ey])?;
+    let mut x = t.op("patch_embed", None, Op::Binary { f: BinaryOp::Add }, &[emb, pos])?;
+    t.g.set_output("patch_embed", x);
+
+    for i in 0..vc.layers {
+        let l = Some(i);
+        let pre = format!("vision_tower.encoder.layers.{i}");
+        let a = t.norm("input_norm", x, Some(&format!("{pre}.input_layernorm.weight")), eps, l)?;
+        let mut qkv = vec![];
+        for (n, norm) in [("q", true), ("k", true), ("v", false)] {
+            let y = t.linear(vc, a, &format!("{pre}.self_attn.{n}_proj"), heads * hd, true, l)?;
+            let y = t.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![p, heads, hd] }, &[y])?;
+            let y = if norm {
+                let y = t.norm(&format!("{n}_norm"), y, Some(&format!("{pre}.self_attn.{n}_norm.weight")), eps, l)?;
+                t.op(&format!("{n}_rope"), l, Op::Rope2d { theta: vc.rope_theta as f32 }, &[y, px, py])?
+            } else {
+                t.norm("v_norm", y, None, eps, l)?
+            };
+            qkv.push(y);
+        }
+        let o = t.op("attention", l, Op::FullAttention { scale: 1.0 }, &qkv)?;
+        let o = t.op("attn_flat", l, Op::Reshape { shape: vec![p, heads * hd] }, &[o])?;
+        let o = t.linear(vc, o, &format!("{pre}.self_attn.o_proj"), h, true, l)?;
+        let o = t.norm("post_attn_norm", o, Some(&format!("{pre}.post_attention_layernorm.weight")), eps, l)?;
+        x = t.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
+        let a = t.norm("pre_ffw_norm", x, Some(&format!("{pre}.pre_feedforward_layernorm.weight")), eps, l)?;
+        let gate = t.linear(vc, a, &format!("{pre}.mlp.gate_proj"), vc.intermediate, true, l)?;
+        let up = t.linear(vc, a, &format!("{pre}.mlp.up_proj"), vc.intermediate, true, l)?;
+        let gate = t.op("gelu", l, Op::Unary { f: UnaryOp::Gelu }, &[gate])?;
+        let m = t.op("geglu", l, Op::Binary { f: BinaryOp::Mul }, &[gate, up])?;
+        let m = t.linear(vc, m, &format!("{pre}.mlp.down_proj"), h, true, l)?;
+        let m = t.norm("post_ffw_norm", m, Some(&format!("{pre}.post_feedforward_layernorm.weight")), eps, l)?;
+        x = t.op("ffw_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, m])?;
+        t.g.set_output(&format!("layer{i}"), x);
+    }
+
+    let pooled = t.op("pool", None, Op::AvgPool { rows, cols, k }, &[x])?;
+    let pooled = t.op("pooled", None, Op::Unary { f: UnaryOp::Scale { factor: (h as f32).sqrt() } }, &[pooled])?;
+    t.g.set_output("pooled", pooled);
+    let s = t.norm("soft_norm", pooled, None, eps, None)?;
+    let soft = t.linear(vc, s, "embed_vision.embedding_projection", vc.text_hidden, false, None)?;
+    finish(t, soft)
+}

@@ -1,0 +1,186 @@
+//! The vision towers' ops (`vision.wgsl`): clamp, 2-D RoPE, average pooling, LayerNorm, the
+//! tiled bidirectional attention, and the scatter of soft-token rows into embeddings.
+
+use bytemuck::{Pod, Zeroable};
+use markbase_graph::ops::Op;
+use markbase_graph::quant::FloatType;
+
+use crate::gpu::kernels::{div_ceil, dt_code, grid, params_struct, COMMON, ELEM_WG, KernelSpec};
+use crate::gpu::shader::Source;
+use super::{Family, LowerCtx};
+
+const VISION: &str = include_str!("../../../wgsl/vision.wgsl");
+
+/// Invocations of the row kernels (LayerNorm, attention; attention heads are at most
+/// 4 x this wide).
+const ROW_WG: u32 = 64;
+
+/// Largest head dim of the attention kernel, and timescales of the 2-D RoPE (D/4).
+pub const MAX_VISION_HEAD_DIM: usize = 256;
+
+/// A variant of `vision.wgsl`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum VisionKernel {
+    /// Bound dtypes.
+    Clamp { lo: FloatType, hi: FloatType },
+    Rope2d,
+    Pool,
+    /// Weight and bias dtypes.
+    LayerNorm { w: FloatType, b: Option<FloatType> },
+    /// `mask`: a key-validity input.
+    Attention { mask: bool },
+    Scatter,
+}
+
+pub(crate) const FAMILY: Family = Family { name, source, variants };
+
+fn name(spec: &KernelSpec) -> Option<String> {
+    let KernelSpec::Vision(v) = spec else { return None };
+    Some(match v {
+        VisionKernel::Clamp { lo, hi } => format!("clamp[{} {}]", lo.name(), hi.name()),
+        VisionKernel::Rope2d => "rope_2d".into(),
+        VisionKernel::Pool => "avg_pool".into(),
+        VisionKernel::LayerNorm { w, b } => format!("layer_norm[{}{}]", w.name(), b.map_or(String::new(), |b| format!(" bias {}", b.name()))),
+        VisionKernel::Attention { mask } => format!("full_attention{}", if *mask { "[mask]" } else { "" }),
+        VisionKernel::Scatter => "scatter".into(),
+    })
+}
+
+fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
+    let KernelSpec::Vision(v) = *spec else { return None };
+    let src = Source::new(&[COMMON, VISION]);
+    Some(match v {
+        VisionKernel::Clamp { lo, hi } => src.c("WG", ELEM_WG).c("LDT", dt_code(lo)).c("HDT", dt_code(hi)).flag("CLAMP", true),
+        VisionKernel::Rope2d => src.c("WG", ELEM_WG).flag("ROPE2D", true),
+        VisionKernel::Pool => src.c("WG", ELEM_WG).flag("POOL", true),
+        VisionKernel::LayerNorm { w, b } => src
+            .c("WG", ROW_WG)
+            .c("WDT", dt_code(w))
+            .c("BDT", b.map_or(2, dt_code))
+            .flag("LNORM", true)
+            .flag("HAS_B", b.is_some()),
+        VisionKernel::Attention { mask } => src.c("WG", ROW_WG).flag("ATTN", true).flag("MASK", mask),
+        VisionKernel::Scatter => src.c("WG", ELEM_WG).flag("SCATTER", true),
+    })
+}
+
+fn variants() -> Vec<KernelSpec> {
+    [
+        VisionKernel::Clamp { lo: FloatType::Bf16, hi: FloatType::F32 },
+        VisionKernel::Rope2d,
+        VisionKernel::Pool,
+        VisionKernel::LayerNorm { w: FloatType::F16, b: Some(FloatType::Bf16) },
+        VisionKernel::LayerNorm { w: FloatType::F32, b: None },
+        VisionKernel::Attention { mask: false },
+        VisionKernel::Attention { mask: true },
+        VisionKernel::Scatter,
+    ]
+    .into_iter()
+    .map(KernelSpec::Vision)
+    .collect()
+}
+
+params_struct! {
+    /// Params of `vision.wgsl` (fields by op, see the WGSL).
+    #[derive(Clone, Copy, Debug, Pod, Zeroable)]
+    pub struct VisionParams {
+        pub n: u32,
+        pub heads: u32,
+        pub kv: u32,
+        pub s: u32,
+        pub d: u32,
+        pub cols: u32,
+        pub k: u32,
+        pub _p0: u32,
+        pub f: f32,
+        pub _p1: u32,
+        pub _p2: u32,
+        pub _p3: u32,
+        pub ts: [f32; MAX_VISION_HEAD_DIM],
+    }
+}
+
+impl Default for VisionParams {
+    fn default() -> Self {
+        Zeroable::zeroed()
+    }
+}
+
+/// Lowers the vision ops.
+pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
+    let shape = cx.node.ty.shape.clone();
+    let numel = cx.node.ty.numel();
+    let maxg = cx.kernels.maxg();
+    let elem_groups = |n: usize| grid(div_ceil(n, ELEM_WG as usize) as u64, maxg);
+    let vecw = |cx: &LowerCtx, i: usize| -> Result<(wgpu::Buffer, FloatType), String> {
+        match cx.vecw(i) {
+            Some((b, t)) => Ok((b.clone(), *t)),
+            None => Err(cx.fail(format!("input {i} must be a vector weight"))),
+        }
+    };
+    let (spec, params, binds, groups) = match cx.op {
+        Op::Clamp => {
+            let (lo, lt) = vecw(cx, 1)?;
+            let (hi, ht) = vecw(cx, 2)?;
+            let p = VisionParams { n: numel as u32, ..Default::default() };
+            (VisionKernel::Clamp { lo: lt, hi: ht }, p, vec![(3, lo), (4, hi)], elem_groups(numel))
+        }
+        Op::Rope2d { theta } => {
+            let d = shape[2];
+            if d / 4 > MAX_VISION_HEAD_DIM {
+                return Err(cx.fail(format!("head dim {d} is over {}", 4 * MAX_VISION_HEAD_DIM)));
+            }
+            let mut p = VisionParams { n: (shape[0] * shape[1]) as u32, heads: shape[1] as u32, d: d as u32, ..Default::default() };
+            let ts = crate::cpu::vision_ops::rope_2d_timescales(*theta, d);
+            p.ts[..ts.len()].copy_from_slice(&ts);
+            (VisionKernel::Rope2d, p, vec![(3, cx.input(1)?), (4, cx.input(2)?)], elem_groups(numel / 2))
+        }
+        Op::AvgPool { cols, k, .. } => {
+            let p = VisionParams { n: numel as u32, d: shape[1] as u32, cols: *cols as u32, k: *k as u32, f: 1.0 / (k * k) as f32, ..Default::default() };
+            (VisionKernel::Pool, p, vec![], elem_groups(numel))
+        }
+        Op::LayerNorm { eps } => {
+            let (w, wt) = vecw(cx, 1)?;
+            let mut binds = vec![(3, w)];
+            let bt = if cx.ins.len() > 2 {
+                let (b, bt) = vecw(cx, 2)?;
+                binds.push((4, b));
+                Some(bt)
+            } else {
+                None
+            };
+            let rows = numel / shape[shape.len() - 1];
+            let p = VisionParams { n: rows as u32, d: shape[shape.len() - 1] as u32, f: *eps, ..Default::default() };
+            (VisionKernel::LayerNorm { w: wt, b: bt }, p, binds, grid(rows as u64, maxg))
+        }
+        Op::FullAttention { scale } => {
+            let d = shape[2];
+            if d > MAX_VISION_HEAD_DIM {
+                return Err(cx.fail(format!("head dim {d} is over {MAX_VISION_HEAD_DIM}")));
+            }
+            let ks = cx.shape_of(1);
+            let rows = shape[0] * shape[1];
+            let p = VisionParams { n: rows as u32, heads: shape[1] as u32, kv: ks[1] as u32, s: ks[0] as u32, d: d as u32, f: *scale, ..Default::default() };
+            let mut binds = vec![(3, cx.input(1)?), (4, cx.input(2)?)];
+            let mask = cx.ins.len() > 3;
+            if mask {
+                binds.push((5, cx.input(3)?));
+            }
+            (VisionKernel::Attention { mask }, p, binds, grid(rows as u64, maxg))
+        }
+        Op::Scatter => {
+            let d = shape[1];
+            let p = VisionParams { n: numel as u32, d: d as u32, s: cx.shape_of(1)[0] as u32, ..Default::default() };
+            (VisionKernel::Scatter, p, vec![(3, cx.input(1)?), (4, cx.input(2)?)], elem_groups(numel))
+        }
+        _ => return Err(cx.not_ours("vision")),
+    };
+    let kernel = cx.kernels.get(KernelSpec::Vision(spec)).map_err(cx.kerr())?;
+    let pb = cx.uni(bytemuck::bytes_of(&params))?;
+    let (x, out) = (cx.input(0)?, cx.out()?);
+    let mut all: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pb), (1, &x), (2, &out)];
+    all.extend(binds.iter().map(|(i, b)| (*i, b)));
+    let bg = kernel.bind_buffers(cx.dev(), &all);
+    cx.push(kernel, bg, groups);
+    Ok(())
+}

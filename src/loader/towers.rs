@@ -1,0 +1,209 @@
+//! The vision tower and projector of a multimodal checkpoint: its configuration, the check of
+//! every tensor it needs (the same diagnostics as the text model's, grouped by tower block),
+//! loading them (any MLX quantization, or float beside a quantized text model), and the audio
+//! tower's tensors, listed but not used.
+
+use std::collections::HashSet;
+
+use markbase_graph::builder::WeightResolver;
+use markbase_graph::ir::WeightParam;
+use markbase_graph::tower::{build_gemma4_tower, build_siglip_tower, GEMMA3_PROJECTOR, GEMMA3_PROJECTOR_LINEAR, POSITION_TABLE, SIGLIP_PATCH};
+use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
+use markbase_graph::{Graph, WeightFormat};
+
+use super::{Checkpoint, LoadError, Part, Problem, Report, Severity, TensorInfo};
+use crate::weights::Weights;
+
+/// Prefixes of the audio tower's tensors (not supported yet: listed, never fatal).
+const AUDIO: [&str; 2] = ["audio_tower.", "embed_audio."];
+
+/// Tensors the tower graphs read that are views of a stored one: the x and y halves of Gemma
+/// 4's `[2, N, hidden]` position table as `[N, hidden]` tables; SigLIP's conv patch embedding
+/// `[O, kh, kw, C]` as the matrix `[O, kh·kw·C]` it is over (py, px, c)-ordered patches; Gemma 3's
+/// `[hidden, D]` projector as the `[D, hidden]` matrix of a linear.
+pub(super) fn derived(t: &TensorInfo) -> Vec<TensorInfo> {
+    if t.defect.is_some() {
+        return vec![];
+    }
+    let view = |name: String, shape: Vec<usize>, part: Part| TensorInfo { name, shape, part, ..t.clone() };
+    let s = &t.shape;
+    if t.name == POSITION_TABLE && s.len() == 3 && s[0] == 2 {
+        return [("x", false), ("y", true)]
+            .into_iter()
+            .map(|(axis, second)| view(format!("{POSITION_TABLE}.{axis}.weight"), s[1..].to_vec(), Part::Half { second }))
+            .collect();
+    }
+    if t.name == format!("{SIGLIP_PATCH}.weight") && s.len() == 4 {
+        return vec![view(format!("{SIGLIP_PATCH}.matrix.weight"), vec![s[0], s[1] * s[2] * s[3]], Part::Whole)];
+    }
+    if t.name == GEMMA3_PROJECTOR && s.len() == 2 {
+        return vec![view(format!("{GEMMA3_PROJECTOR_LINEAR}.weight"), vec![s[1], s[0]], Part::Transposed)];
+    }
+    vec![]
+}
+
+fn is_derived(name: &str) -> bool {
+    [format!("{POSITION_TABLE}.x.weight"), format!("{POSITION_TABLE}.y.weight"), format!("{SIGLIP_PATCH}.matrix.weight"), format!("{GEMMA3_PROJECTOR_LINEAR}.weight")]
+        .iter()
+        .any(|d| d == name)
+}
+
+/// Resolves the tower graphs' weights from the tower tensors.
+struct TowerResolver<'a>(&'a Checkpoint);
+
+impl WeightResolver for TowerResolver<'_> {
+    fn format(&self, name: &str, shape: &[usize], module: bool) -> WeightFormat {
+        let cp = self.0;
+        if module {
+            return cp.module_format(&cp.tower_index, name, Some(shape));
+        }
+        let dtype = cp.tower_index.get(name).and_then(|t| super::float_type(t.dtype));
+        WeightFormat::Float { dtype: dtype.unwrap_or(markbase_graph::FloatType::Bf16) }
+    }
+
+    fn exists(&self, name: &str) -> bool {
+        self.0.tower_index.contains_key(name) || self.0.tower_index.contains_key(&format!("{name}.weight"))
+    }
+}
+
+/// What the towers of a checkpoint hold.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TowerSummary {
+    /// `gemma4 ViT` / `SigLIP`, when there is a vision tower.
+    pub vision: Option<String>,
+    pub vision_layers: usize,
+    /// Parameters of the vision tower and projector.
+    pub vision_params: u64,
+    pub vision_bytes: u64,
+    /// How the vision tensors are stored (`F32`, `BF16`, `4-bit affine g64`, ...), distinct values.
+    pub vision_storage: Vec<String>,
+    /// Soft tokens per image (Gemma 4: the default budget).
+    pub soft_tokens: usize,
+    /// Audio tower tensors, listed (audio is not supported).
+    pub audio_tensors: Vec<String>,
+}
+
+impl Checkpoint {
+    /// The vision tower's configuration (`None`: a text-only checkpoint).
+    pub fn vision_config(&self) -> Result<Option<VisionConfig>, LoadError> {
+        VisionConfig::from_value(self.config_json(), self.config())
+            .map_err(|e| LoadError::Config { path: self.dir().join("config.json"), msg: e.to_string() })
+    }
+
+    /// Names of the audio tower's tensors.
+    pub fn audio_tensors(&self) -> Vec<&str> {
+        self.towers.iter().filter(|n| AUDIO.iter().any(|a| n.starts_with(a))).map(String::as_str).collect()
+    }
+
+    /// The vision weights as graph parameters: module formats from the stored tensors.
+    pub fn vision_params(&self, vc: &VisionConfig) -> Vec<WeightParam> {
+        let res = TowerResolver(self);
+        tower_params(vc)
+            .into_iter()
+            .map(|p| WeightParam { format: res.format(&p.name, &p.shape, p.module), name: p.name, shape: p.shape, module: p.module })
+            .collect()
+    }
+
+    /// Prefix of the tower's blocks (`layers.N.` follows it), for the report.
+    fn block_prefix(vc: &VisionConfig) -> &'static str {
+        match vc.kind {
+            TowerKind::Gemma4Vit => "vision_tower.encoder.",
+            TowerKind::Siglip => "vision_tower.vision_model.encoder.",
+        }
+    }
+
+    /// Checks every tensor of the vision tower and projector: missing, mis-shaped, mis-typed
+    /// (by block, all at once). Vision tensors the tower does not use are warnings; the audio
+    /// tower's tensors are one warning (listed, not used).
+    pub fn check_vision(&self, vc: &VisionConfig) -> Report {
+        let pre = Self::block_prefix(vc);
+        let mut r = Report::new(self.dir(), pre);
+        for (name, t) in &self.tower_index {
+            if let Some(d) = &t.defect {
+                r.push(Problem::tensor(Severity::Error, name, pre, d.message.clone()));
+            }
+        }
+        let mut used = HashSet::new();
+        for p in self.vision_params(vc) {
+            self.check_param(&self.tower_index, pre, &p, &mut used, &mut r);
+        }
+        let audio = self.audio_tensors();
+        for name in self.tower_index.keys() {
+            let is_audio = audio.contains(&name.as_str());
+            // HF's converter may write an unused pooler scale (never read by HF or mlx-vlm)
+            if !used.contains(name.as_str()) && !is_audio && !is_derived(name) && !name.starts_with("vision_tower.pooler.") {
+                r.push(Problem::tensor(Severity::Warning, name, pre, "unexpected tensor ignored: not used by the vision tower"));
+            }
+        }
+        if !audio.is_empty() {
+            r.push(Problem::warning(
+                "audio_tower",
+                format!("{} audio tensors ignored: audio input is not supported (text and images are)", audio.len()),
+            ));
+        }
+        r
+    }
+
+    /// Checks and copies the vision tower's and projector's weights; any error fails with the
+    /// whole report (warnings come back with the weights).
+    pub fn load_vision(&self, vc: &VisionConfig) -> Result<(Weights, Report), LoadError> {
+        let report = self.check_vision(vc);
+        if report.has_errors() {
+            return Err(LoadError::Invalid(report));
+        }
+        let params = self.vision_params(vc);
+        let refs: Vec<&WeightParam> = params.iter().collect();
+        self.copy_params(&self.tower_index, &refs, report, &super::LoadOptions::default())
+    }
+
+    /// The graph of the vision tower over a `rows x cols` patch grid (Gemma 4's ViT; SigLIP's
+    /// grid is fixed by its config and the sizes are ignored).
+    pub fn tower_graph(&self, vc: &VisionConfig, rows: usize, cols: usize) -> Result<Graph, LoadError> {
+        match vc.kind {
+            TowerKind::Gemma4Vit => build_gemma4_tower(vc, &TowerResolver(self), rows, cols).map_err(|e| LoadError::Build(e.to_string())),
+            TowerKind::Siglip => build_siglip_tower(vc, &TowerResolver(self)).map_err(|e| LoadError::Build(e.to_string())),
+        }
+    }
+
+    /// Checks and copies the weights of a tower graph (see [`tower_graph`](Self::tower_graph)).
+    pub fn load_tower(&self, vc: &VisionConfig, graph: &Graph) -> Result<(Weights, Report), LoadError> {
+        let pre = Self::block_prefix(vc);
+        let mut r = Report::new(self.dir(), pre);
+        let mut used = HashSet::new();
+        let mut params: Vec<&WeightParam> = vec![];
+        for (_, p) in graph.weights() {
+            if !params.iter().any(|q| q.name == p.name) {
+                self.check_param(&self.tower_index, pre, p, &mut used, &mut r);
+                params.push(p);
+            }
+        }
+        if r.has_errors() {
+            return Err(LoadError::Invalid(r));
+        }
+        self.copy_params(&self.tower_index, &params, r, &super::LoadOptions::default())
+    }
+
+    /// What the towers hold, for `inspect` (`None` values when the config has no vision tower
+    /// or cannot be read).
+    pub fn tower_summary(&self) -> TowerSummary {
+        let mut s = TowerSummary { audio_tensors: self.audio_tensors().iter().map(|n| n.to_string()).collect(), ..Default::default() };
+        let Ok(Some(vc)) = self.vision_config() else { return s };
+        s.vision = Some(vc.kind.name().to_string());
+        s.vision_layers = vc.layers;
+        s.soft_tokens = vc.default_tokens;
+        let mut storage = vec![];
+        for p in self.vision_params(&vc) {
+            s.vision_params += p.shape.iter().product::<usize>() as u64;
+            s.vision_bytes += p.stored_bytes() as u64;
+            let st = match p.format {
+                markbase_graph::WeightFormat::Float { dtype } => format!("{dtype:?}").to_uppercase(),
+                markbase_graph::WeightFormat::Quantized { spec, .. } => spec.describe(),
+            };
+            if !storage.contains(&st) {
+                storage.push(st);
+            }
+        }
+        s.vision_storage = storage;
+        s
+    }
+}

@@ -1,0 +1,214 @@
+//! Images to soft tokens: a checkpoint's image processor and vision tower (a compiled graph
+//! per patch grid), on the CPU reference executor or the GPU. What `markbase encode` writes.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use markbase_graph::passes::{compile, Compiled, PhasePolicy};
+use markbase_graph::vision::{TowerKind, VisionConfig};
+
+use crate::cpu::exec::{self, CpuState, CpuWeights, StepInputs};
+use crate::exec::{Executor, GraphKey};
+use crate::gpu::runtime::GpuExecutor;
+use crate::loader::Checkpoint;
+use crate::model::DeviceKind;
+use crate::Error;
+
+use super::processor::{read_processor_config, Gemma3Processor, Gemma4Processor};
+use super::RgbImage;
+
+enum Processor {
+    Gemma3(Gemma3Processor),
+    Gemma4(Gemma4Processor),
+}
+
+enum Runner {
+    Cpu(CpuWeights),
+    Gpu(Box<GpuExecutor>),
+}
+
+/// One image's soft tokens: `[tokens, width]` row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SoftTokens {
+    pub tokens: usize,
+    pub width: usize,
+    pub data: Vec<f32>,
+}
+
+/// A checkpoint's vision tower, ready to encode images.
+pub struct ImageEncoder {
+    cp: Checkpoint,
+    vc: VisionConfig,
+    proc: Processor,
+    runner: Runner,
+    /// Compiled tower graphs by patch grid.
+    graphs: HashMap<(usize, usize), Compiled>,
+}
+
+impl ImageEncoder {
+    /// Opens the checkpoint in `dir` and loads its vision tower onto `device`. `budget`: Gemma
+    /// 4's soft tokens per image (else the processor config's, else 280).
+    pub fn open(dir: &Path, device: DeviceKind, budget: Option<usize>, check_nan: bool) -> Result<Self, Error> {
+        let cp = Checkpoint::open(dir)?;
+        let vc = cp.vision_config()?.ok_or_else(|| Error::Config(format!("{}: the checkpoint has no vision tower (no vision_config)", dir.display())))?;
+        let pc = read_processor_config(dir).map_err(Error::Config)?;
+        let proc = match vc.kind {
+            TowerKind::Gemma4Vit => Processor::Gemma4(Gemma4Processor::from_config(pc.as_ref(), budget).map_err(Error::Input)?),
+            TowerKind::Siglip => {
+                if budget.is_some() {
+                    return Err(Error::Input("a soft-token budget applies to Gemma 4 only (Gemma 3 makes a fixed count per image)".into()));
+                }
+                Processor::Gemma3(Gemma3Processor::from_config(pc.as_ref()).map_err(Error::Input)?)
+            }
+        };
+        // the weights are the same for every grid: load them through the smallest graph
+        let g = cp.tower_graph(&vc, vc.pool, vc.pool)?;
+        let (weights, _) = cp.load_tower(&vc, &g)?;
+        let weights = Arc::new(weights);
+        let runner = match device {
+            DeviceKind::Cpu => Runner::Cpu(CpuWeights::new(weights)),
+            DeviceKind::Gpu(b) => Runner::Gpu(Box::new(GpuExecutor::new(b, weights, check_nan).map_err(Error::Device)?)),
+        };
+        Ok(ImageEncoder { cp, vc, proc, runner, graphs: HashMap::new() })
+    }
+
+    pub fn vision_config(&self) -> &VisionConfig {
+        &self.vc
+    }
+
+    /// The soft tokens of `img` (Gemma 3 with pan-and-scan: the whole image's, then each
+    /// crop's, one after the other).
+    pub fn encode(&mut self, img: &RgbImage) -> Result<SoftTokens, Error> {
+        let mut inputs = vec![];
+        match &self.proc {
+            Processor::Gemma4(p) => {
+                let pi = p.process(img).map_err(Error::Input)?;
+                let (pixels, px, py) = pi.tower_input();
+                inputs.push(((pi.rows, pi.cols), pixels, px, py));
+            }
+            Processor::Gemma3(p) => {
+                for s in p.process(img) {
+                    let (pixels, pos) = s.tower_input(self.vc.patch);
+                    let side = self.vc.grid_side();
+                    inputs.push(((side, side), pixels, pos, vec![]));
+                }
+            }
+        }
+        let mut data = vec![];
+        for (grid, pixels, a, b) in inputs {
+            if !self.graphs.contains_key(&grid) {
+                let g = self.cp.tower_graph(&self.vc, grid.0, grid.1)?;
+                let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| Error::Config(e.to_string()))?;
+                self.graphs.insert(grid, c);
+            }
+            let c = &self.graphs[&grid];
+            // Gemma 4 reads patch columns and rows; SigLIP the patch indices as positions
+            let step = match self.vc.kind {
+                TowerKind::Gemma4Vit => StepInputs { pixels: &pixels, patch_x: &a, patch_y: &b, ..Default::default() },
+                TowerKind::Siglip => StepInputs { pixels: &pixels, positions: &a, ..Default::default() },
+            };
+            let soft = match &mut self.runner {
+                Runner::Cpu(w) => exec::run(c, w, &mut CpuState::default(), &step).map_err(Error::Device)?["soft"].f().to_vec(),
+                Runner::Gpu(g) => {
+                    let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false };
+                    g.run(key, c, &step, true).map_err(Error::Device)?.logits.ok_or_else(|| Error::Device("no soft tokens read back".into()))?
+                }
+            };
+            data.extend(soft);
+        }
+        let width = self.vc.text_hidden;
+        Ok(SoftTokens { tokens: data.len() / width, width, data })
+    }
+}
+
+/// Encodes image files with the tower of the checkpoint in `dir`: all rows, their width, and
+/// the soft tokens of each image.
+pub fn encode_files(dir: &Path, images: &[std::path::PathBuf], device: DeviceKind, budget: Option<usize>, check_nan: bool) -> Result<(Vec<f32>, usize, Vec<usize>), String> {
+    // decode first: a bad file is reported before any weight is loaded
+    let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+    let mut enc = ImageEncoder::open(dir, device, budget, check_nan)?;
+    let (mut rows, mut counts) = (vec![], vec![]);
+    for img in &decoded {
+        let s = enc.encode(img)?;
+        counts.push(s.tokens);
+        rows.extend(s.data);
+    }
+    Ok((rows, enc.vision_config().text_hidden, counts))
+}
+
+/// A prompt's inputs with its images' soft tokens in place (see `BuildOptions::soft_rows`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImagePrompt {
+    /// The ids, each image placeholder read as id 0 (its embedding is replaced; Gemma 4's
+    /// per-layer inputs read id 0 there, as HF does).
+    pub tokens: Vec<u32>,
+    /// The soft-token rows, image after image `[N, D]`.
+    pub soft_rows: Vec<f32>,
+    /// Per token: the row it takes plus one, 0 for text.
+    pub soft_index: Vec<u32>,
+}
+
+/// Puts the soft tokens of `images` in order into the placeholder runs of `ids` (every
+/// `image_token` takes the next row). The placeholders must match the images' rows exactly.
+pub fn image_prompt(ids: &[u32], image_token: u32, images: &[SoftTokens]) -> Result<ImagePrompt, Error> {
+    let placeholders = ids.iter().filter(|&&t| t == image_token).count();
+    let rows: usize = images.iter().map(|s| s.tokens).sum();
+    if placeholders != rows {
+        let per: Vec<usize> = images.iter().map(|s| s.tokens).collect();
+        return Err(Error::Input(format!(
+            "the prompt has {placeholders} image placeholders (id {image_token}) but the images make {rows} soft tokens {per:?}"
+        )));
+    }
+    if let Some(w) = images.iter().map(|s| s.width).find(|&w| w != images[0].width) {
+        return Err(Error::Input(format!("soft tokens of widths {} and {w}", images[0].width)));
+    }
+    let mut next = 0u32;
+    let mut soft_index = Vec::with_capacity(ids.len());
+    let mut tokens = Vec::with_capacity(ids.len());
+    for &t in ids {
+        if t == image_token {
+            next += 1;
+            soft_index.push(next);
+            tokens.push(0);
+        } else {
+            soft_index.push(0);
+            tokens.push(t);
+        }
+    }
+    Ok(ImagePrompt { tokens, soft_rows: images.iter().flat_map(|s| s.data.iter().copied()).collect(), soft_index })
+}
+
+/// The logits of every position of `ids` (holding each image's placeholder run, in order)
+/// with the soft tokens of `images` in place: the images encoded, the prompt's graph built with
+/// their rows (Gemma 4), run once on `device`. Returns the logits `[T, V]` and V.
+pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
+    let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+    let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
+    let soft = decoded.iter().map(|img| enc.encode(img)).collect::<Result<Vec<_>, _>>()?;
+    let vc = enc.vision_config().clone();
+    let p = image_prompt(ids, vc.image_token, &soft)?;
+    let cp = &enc.cp;
+    let t = ids.len();
+    let max = cp.config().max_position_embeddings;
+    if t > max {
+        return Err(format!("{t} tokens exceed the model's {max} positions"));
+    }
+    let opts = markbase_graph::BuildOptions { soft_rows: p.soft_rows.len() / vc.text_hidden, ..markbase_graph::BuildOptions::prefill(t, t) };
+    let g = cp.build(opts).map_err(|e| e.to_string())?;
+    let (w, _) = cp.load_weights(&g).map_err(|e| e.to_string())?;
+    let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, ..Default::default() };
+    let w = Arc::new(w);
+    let logits = match device {
+        DeviceKind::Cpu => exec::run(&c, &mut CpuWeights::new(w), &mut CpuState::default(), &step)?["logits"].f().to_vec(),
+        DeviceKind::Gpu(b) => {
+            let mut g = GpuExecutor::new(b, w, check_nan)?;
+            let key = GraphKey { tokens: t, all_logits: true, sample: false };
+            g.run(key, &c, &step, true)?.logits.ok_or("no logits read back")?
+        }
+    };
+    let vocab = logits.len() / t.max(1);
+    Ok((logits, vocab))
+}

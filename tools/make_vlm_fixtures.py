@@ -1,0 +1,499 @@
+#!/usr/bin/env python3
+"""Tiny Gemma 4 (E2B-style ViT) and Gemma 3 (SigLIP) vision-language checkpoints in mlx-vlm's
+layout, with float32 references of every intermediate of the image path.
+
+Needs `pip install "mlx[cpu]" mlx-vlm scikit-image` (mlx-vlm pulls transformers, not torch).
+Writes `tests/fixtures/vlm/<family>/`:
+
+* `config.json`, `model.safetensors` (F32, random weights), `preprocessor_config.json`:
+  a checkpoint that mlx-vlm's own loader reads back (the references come from the re-loaded
+  model, not from the one that was saved);
+* `square.png`, `wide.png`: crops of scikit-image's sample photographs (the inputs);
+* `ref/*.npy` and `ref/manifest.json` (shape, dtype and meaning of every array).
+
+Pixel values come from Hugging Face's PIL image processors (`Gemma4ImageProcessorPil`,
+`Gemma3ImageProcessorPil`); the towers, projectors, merge and decoder run in mlx-vlm. Where
+mlx-vlm and Hugging Face differ (Gemma 3's post-LayerNorm eps, its image-block attention mask,
+its image-feature scaling), the references follow Hugging Face: the code below says where.
+
+Deterministic: the same package versions give the same files.
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from PIL import Image
+
+from mlx_vlm.utils import get_model_and_args, load_model, update_module_configs
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "vlm"
+
+# Special-token ids remapped into the tiny vocabulary (real ids are > 255000).
+IMG, BOI, EOI, AUD, BOA, EOA = 500, 501, 502, 503, 504, 505
+
+
+def gemma4_config():
+    text = {
+        "model_type": "gemma4_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "global_head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "vocab_size_per_layer_input": 512,
+        "hidden_size_per_layer_input": 16,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "attention_k_eq_v": False,
+        "enable_moe_block": False,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 16,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 1024,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    }
+    vision = {
+        "model_type": "gemma4_vision",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 128,
+        "default_output_length": 70,
+        "use_clipped_linears": True,
+        "standardize": False,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+    }
+    audio = {
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "subsampling_conv_channels": [16, 8],
+        "output_proj_dims": 48,
+    }
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": vision,
+        "audio_config": audio,
+        "image_token_id": IMG,
+        "audio_token_id": AUD,
+        "boi_token_id": BOI,
+        "eoi_token_id": EOI,
+        "boa_token_id": BOA,
+        "eoa_token_id": EOA,
+        "eoa_token_index": EOA,
+        "vision_soft_tokens_per_image": 70,
+        "hidden_size": 64,
+        "vocab_size": 512,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+    }
+
+
+def gemma3_config():
+    text = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 1024,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "mm_tokens_per_image": 16,
+    }
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "patch_size": 14,
+        "image_size": 224,
+        "layer_norm_eps": 1e-6,
+        "hidden_act": "gelu_pytorch_tanh",
+        "vision_use_head": False,
+    }
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": text,
+        "vision_config": vision,
+        "mm_tokens_per_image": 16,
+        "image_token_index": IMG,
+        "boi_token_index": BOI,
+        "eoi_token_index": EOI,
+        # mlx-vlm divides image features by sqrt(hidden_size) (default 2048), then the decoder
+        # multiplies by sqrt(D): with hidden_size = D the two cancel, as in HF (unscaled rows).
+        "hidden_size": 64,
+        "vocab_size": 512,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    }
+
+
+def instantiate(cfg):
+    """The mlx-vlm model of `cfg`, built the way `load_model` builds it."""
+    cfg = json.loads(json.dumps(cfg))
+    arch, _ = get_model_and_args(cfg)
+    mc = arch.ModelConfig.from_dict(cfg)
+    mc = update_module_configs(mc, arch, cfg, ["text", "vision", "perceiver", "projector", "audio"])
+    return arch.Model(mc)
+
+
+def random_weights(model, seed, clip):
+    """Random F32 weights: unit-ish norms, 1/sqrt(fan-in) linears, finite clip bounds."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, p in sorted(tree_flatten(model.parameters())):
+        shape = tuple(p.shape)
+        if name.endswith(("input_min", "output_min")):
+            v = np.array(-rng.uniform(3.0, 4.5) if clip else -np.inf, np.float32)
+        elif name.endswith(("input_max", "output_max")):
+            v = np.array(rng.uniform(3.0, 4.5) if clip else np.inf, np.float32)
+        elif "norm" in name.split(".")[-2] if "." in name else False:
+            if name.endswith(".bias"):
+                v = rng.normal(0, 0.1, shape)
+            else:
+                v = 1.0 + rng.normal(0, 0.1, shape)
+        elif name.endswith(".bias"):
+            v = rng.normal(0, 0.05, shape)
+        elif len(shape) == 0:
+            v = np.array(rng.uniform(0.5, 1.5))
+        elif len(shape) == 1:
+            v = rng.normal(0, 0.5, shape)
+        elif "embed_tokens" in name or "position_embedding" in name or "embedding_table" in name:
+            v = rng.normal(0, 0.5, shape)
+        else:
+            fan_in = int(np.prod(shape[1:])) if "mm_input_projection" not in name else shape[0]
+            v = rng.normal(0, 1.0 / np.sqrt(fan_in), shape)
+        out[name] = mx.array(np.asarray(v, np.float32))
+    return out
+
+
+def save_checkpoint(d, cfg, model, weights, processor):
+    d.mkdir(parents=True, exist_ok=True)
+    model.load_weights(list(weights.items()))
+    params = dict(tree_flatten(model.parameters()))
+    # mlx-vlm's Gemma 3 ties the head on load (its sanitizer copies embed_tokens): not stored
+    params.pop("language_model.lm_head.weight", None)
+    mx.save_safetensors(str(d / "model.safetensors"), params, metadata={"format": "mlx"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (d / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+
+
+class Refs:
+    def __init__(self, d):
+        self.dir = d / "ref"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = {}
+
+    def put(self, name, arr, what):
+        a = np.asarray(arr)
+        if a.dtype.kind == "f":
+            a = a.astype(np.float32)
+        np.save(self.dir / f"{name}.npy", a)
+        self.manifest[name] = {"shape": list(a.shape), "dtype": str(a.dtype), "what": what}
+
+    def close(self, extra):
+        self.manifest["_info"] = extra
+        (self.dir / "manifest.json").write_text(json.dumps(self.manifest, indent=2, sort_keys=True) + "\n")
+
+
+def np32(x):
+    mx.eval(x)
+    return np.array(x.astype(mx.float32))
+
+
+def photos(d):
+    """A square and a non-square crop of scikit-image's sample photographs, saved as PNG."""
+    from skimage import data
+
+    square = data.astronaut()[20:244, 150:374]  # 224 x 224
+    wide = data.chelsea()[40:200, 60:316]  # 160 x 256
+    out = []
+    for name, a in (("square", square), ("wide", wide)):
+        p = d / f"{name}.png"
+        Image.fromarray(np.ascontiguousarray(a)).save(p, optimize=True)
+        out.append((name, Image.open(p).convert("RGB")))
+    return out
+
+
+def gemma4_resized(proc, img):
+    """HF's Gemma 4 processing of `img`: the resized RGB image (uint8 HWC, recovered exactly
+    from the patches, x = u8/255), the padded patches and positions, and the soft tokens."""
+    bf = proc.preprocess([img], return_tensors="np")
+    patches = np.asarray(bf["pixel_values"])[0]  # [max_patches, 768], zero-padded
+    pos = np.asarray(bf["image_position_ids"])[0]  # [max_patches, 2], (-1, -1) padding
+    real = pos[:, 0] >= 0
+    p = int(real.sum())
+    pw, ph = int(pos[real, 0].max()) + 1, int(pos[real, 1].max()) + 1
+    grid = patches[:p].reshape(ph, pw, 16, 16, 3).transpose(0, 2, 1, 3, 4).reshape(ph * 16, pw * 16, 3)
+    u8 = np.rint(grid * 255).astype(np.uint8)
+    assert np.abs(u8 / 255.0 - grid).max() < 1e-6
+    return u8, patches, pos, int(np.asarray(bf["num_soft_tokens_per_image"])[0])
+
+
+def gemma4(d):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    cfg = gemma4_config()
+    budget = 70
+    proc_cfg = {
+        "image_processor_type": "Gemma4ImageProcessor",
+        "do_resize": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": False,
+        "image_mean": [0.0, 0.0, 0.0],
+        "image_std": [1.0, 1.0, 1.0],
+        "do_convert_rgb": True,
+        "patch_size": 16,
+        "max_soft_tokens": budget,
+        "pooling_kernel_size": 3,
+    }
+    save_checkpoint(d, cfg, instantiate(cfg), random_weights(instantiate(cfg), 4, clip=True), proc_cfg)
+    model = load_model(d)
+    refs = Refs(d)
+    proc = Gemma4ImageProcessorPil(max_soft_tokens=budget)
+    vt = model.vision_tower
+    pe = vt.patch_embedder
+    softs = []
+    for name, img in photos(d):
+        u8, patches, pos, n = gemma4_resized(proc, img)
+        p = int((pos[:, 0] >= 0).sum())
+        grid = u8 / 255.0
+        refs.put(f"{name}_resized", u8, "HF Gemma4ImageProcessorPil: the RGB image after the aspect-preserving bicubic resize, uint8 HWC (pixel value = u8/255)")
+        refs.put(f"{name}_positions", pos[:p].astype(np.int32), "patch positions (x, y)")
+
+        # tower, through mlx-vlm, HF-style padded input (padding patches are masked out)
+        x = mx.array(patches[None].astype(np.float32))
+        ppos = mx.array(pos[None].astype(np.int32))
+        pad = mx.all(ppos == -1, axis=-1)
+        h = pe.embed_patches(x, ppos, pad)
+        refs.put(f"{name}_patch_embed", np32(h)[0, :p], "patch embedding: 2(x-0.5) W^T + T[0][x] + T[1][y]")
+        valid = ~pad
+        m = mx.expand_dims(valid, 1) * mx.expand_dims(valid, 2)
+        m = mx.expand_dims(mx.where(m, mx.array(0.0), mx.array(-1e4)), 1)
+        for i, layer in enumerate(vt.encoder.layers):
+            h = layer(h, ppos, m)
+            refs.put(f"{name}_layer{i}", np32(h)[0, :p], f"vision encoder layer {i} output")
+        pooled, _ = vt.pooler(h, ppos, pad, output_length=patches.shape[0] // 9)
+        pooled = pooled[:, :n]
+        refs.put(f"{name}_pooled", np32(pooled)[0], "3x3 position-based average pool times sqrt(hidden): the tower output")
+        tower = vt(x, ppos)
+        assert np.abs(np32(tower)[0] - np32(pooled)[0]).max() < 1e-5
+        # the unpadded NCHW path gives the same tokens
+        nchw = mx.array(grid.transpose(2, 0, 1)[None].astype(np.float32))
+        assert np.abs(np32(vt(nchw))[0] - np32(pooled)[0]).max() < 1e-4
+        soft = model.embed_vision(pooled)
+        refs.put(f"{name}_soft", np32(soft)[0], "soft tokens: embed_vision(RMSNorm_0(pooled)) [N, D_text]")
+        softs.append((n, soft[0]))
+
+    # a prompt with both images: bos, text, (boi, N x image, eoi) per image, text
+    ids = [2, 17, 29]
+    for k, (n, _) in enumerate(softs):
+        ids += [BOI] + [IMG] * n + [EOI] + [40 + k, 41 + k]
+    ids += [60, 61]
+    input_ids = mx.array([ids], dtype=mx.int32)
+    feats = mx.concatenate([s for _, s in softs], axis=0)[None]
+    # mlx-vlm scatters cached features only when pixel values are given (not read then)
+    emb = model.get_input_embeddings(input_ids=input_ids, pixel_values=mx.zeros((1,)), cached_image_features=feats)
+    merged = np32(emb.inputs_embeds)[0]
+    assert np.abs(merged[np.array(ids) == IMG] - np32(feats)[0]).max() == 0, "soft tokens not scattered"
+    refs.put("input_ids", np.array(ids, np.int32), "prompt ids: both images' placeholder runs")
+    refs.put("merged_embeds", np32(emb.inputs_embeds)[0], "decoder input: text rows * sqrt(D), image rows = soft tokens (unscaled)")
+    refs.put("per_layer_inputs", np32(emb.per_layer_inputs)[0], "per-layer inputs (image ids read as id 0)")
+    out = model.language_model(inputs=input_ids, inputs_embeds=emb.inputs_embeds, per_layer_inputs=emb.per_layer_inputs)
+    refs.put("logits", np32(out.logits)[0], "logits of every position (causal decoder, as HF for E2B/E4B)")
+    refs.close({"budget": budget, "tokens": [n for n, _ in softs]})
+
+
+def gemma3(d):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    cfg = gemma3_config()
+    size = cfg["vision_config"]["image_size"]
+    proc_cfg = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "do_resize": True,
+        "size": {"height": size, "width": size},
+        "resample": 2,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+        "do_pan_and_scan": False,
+        "pan_and_scan_min_crop_size": 256,
+        "pan_and_scan_max_num_crops": 4,
+        "pan_and_scan_min_ratio_to_activate": 1.2,
+    }
+    save_checkpoint(d, cfg, instantiate(cfg), random_weights(instantiate(cfg), 3, clip=False), proc_cfg)
+    model = load_model(d)
+    refs = Refs(d)
+    proc = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    sig = model.vision_tower.vision_model
+    # HF's post-LayerNorm uses layer_norm_eps (mlx-vlm: the MLX default 1e-5)
+    sig.post_layernorm.eps = cfg["vision_config"]["layer_norm_eps"]
+    softs = []
+    for name, img in photos(d):
+        pv = np.asarray(proc.preprocess([img], return_tensors="np")["pixel_values"])[0]  # [3, S, S]
+        refs.put(f"{name}_pixels", pv, "HF Gemma3ImageProcessorPil pixel values: bilinear squash, (x/255 - 0.5)/0.5, CHW")
+        x = mx.array(pv.transpose(1, 2, 0)[None].astype(np.float32))
+        h = sig.embeddings(x)
+        refs.put(f"{name}_patch_embed", np32(h)[0], "patch embedding (14x14 stride-14 conv + bias) + learned positions")
+        for i, layer in enumerate(sig.encoder.layers):
+            h = layer(h, None)
+            refs.put(f"{name}_layer{i}", np32(h)[0], f"SigLIP encoder layer {i} output")
+        h = sig.post_layernorm(h)
+        refs.put(f"{name}_post_ln", np32(h)[0], "post LayerNorm (eps = layer_norm_eps, as HF)")
+        proj = model.multi_modal_projector
+        g = h.reshape(1, size // 14, size // 14, -1)
+        pooled = proj.avg_pool(g).reshape(1, -1, g.shape[-1])
+        refs.put(f"{name}_pooled", np32(pooled)[0], "4x4 average pool of the patch grid, row-major")
+        soft = proj(h)
+        refs.put(f"{name}_soft", np32(soft)[0], "soft tokens: GemmaRMSNorm(pooled) @ mm_input_projection_weight")
+        softs.append(soft[0])
+
+    n = cfg["mm_tokens_per_image"]
+    ids = [2, 17, 29]
+    for k in range(len(softs)):
+        ids += [BOI] + [IMG] * n + [EOI] + [40 + k, 41 + k]
+    ids += [60, 61]
+    t = len(ids)
+    lm = model.language_model
+    emb = lm.model.embed_tokens(mx.array([ids]))
+    d_text = cfg["text_config"]["hidden_size"]
+    scale = mx.array(d_text**0.5, mx.bfloat16).astype(mx.float32)
+    emb = emb * scale
+    is_img = np.array(ids) == IMG
+    merged = np32(emb)[0]
+    merged[is_img] = np.concatenate([np32(s) for s in softs], axis=0)
+    refs.put("input_ids", np.array(ids, np.int32), "prompt ids: both images' placeholder runs")
+    refs.put("merged_embeds", merged, "decoder input: text rows * bf16(sqrt D), image rows = soft tokens (unscaled, HF)")
+
+    # HF mask: causal, OR same image block (each contiguous run of image tokens), on every layer;
+    # sliding layers AND the window.
+    block = np.where(is_img, np.cumsum(np.concatenate([[is_img[0]], is_img[1:] & ~is_img[:-1]])), 0)
+    q = np.arange(t)[:, None]
+    k = np.arange(t)[None, :]
+    causal = k <= q
+    same = (block[:, None] == block[None, :]) & (block[:, None] > 0)
+    window = cfg["text_config"]["sliding_window"]
+    full_mask = causal | same
+    slide_mask = full_mask & (q - k < window)
+    refs.put("attn_mask_full", full_mask.astype(np.uint8), "HF decoder mask of global layers: causal | same image block")
+    refs.put("attn_mask_sliding", slide_mask.astype(np.uint8), "HF decoder mask of sliding layers: window & (causal | same block)")
+
+    def run(masks):
+        h = mx.array(merged[None])
+        for i, layer in enumerate(lm.model.layers):
+            mk = masks[i % 2 == 1]
+            h = layer(h, mx.array(mk)[None, None], None)
+        return np32(lm.lm_head(lm.model.norm(h)))[0]
+
+    refs.put("logits", run((slide_mask, full_mask)), "logits with HF's image-block bidirectional mask")
+    causal_slide = causal & (q - k < window)
+    refs.put("logits_causal", run((causal_slide, causal)), "logits with a plain causal mask (mlx-vlm's behaviour)")
+    refs.close({"tokens_per_image": n})
+
+
+def quantized_variant(src, dst, mode, bits, group, vision_dtype, skip_vision=True):
+    """`src` re-stored the way `mlx_vlm.convert` writes a quantized model: the text model
+    quantized (`mode`, `bits`, `group`), the towers kept float (cast to `vision_dtype`) unless
+    `skip_vision` is off. Read back through mlx-vlm's loader; no references of its own."""
+    import mlx.nn as nn
+
+    from mlx_vlm.utils import get_class_predicate
+
+    model = load_model(src)
+    cast = {k: v.astype(vision_dtype) for k, v in tree_flatten(model.parameters()) if not k.startswith("language_model.")}
+    model.load_weights(list(cast.items()), strict=False)
+    q = {"group_size": group, "bits": bits, "mode": mode}
+    base = get_class_predicate(skip_vision=skip_vision)
+    # as mlx-lm's converter: only modules whose input dim divides into groups
+    pred = lambda p, m: base(p, m) and m.weight.shape[-1] % group == 0  # noqa: E731
+    nn.quantize(model, group_size=group, bits=bits, mode=mode, class_predicate=pred)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization"] = q
+    cfg["quantization_config"] = q
+    dst.mkdir(parents=True, exist_ok=True)
+    params = dict(tree_flatten(model.parameters()))
+    params.pop("language_model.lm_head.weight", None)
+    mx.save_safetensors(str(dst / "model.safetensors"), params, metadata={"format": "mlx"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shutil.copy(src / "preprocessor_config.json", dst / "preprocessor_config.json")
+    load_model(dst)  # mlx-vlm reads it back
+
+
+VARIANTS = [
+    # (name, source, mode, bits, group, tower dtype, towers quantized too)
+    ("gemma4-q4", "gemma4", "affine", 4, 32, mx.bfloat16, False),
+    ("gemma4-mxfp4", "gemma4", "mxfp4", 4, 32, mx.bfloat16, False),
+    ("gemma3-q8-towers", "gemma3", "affine", 8, 64, mx.float16, True),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["gemma4", "gemma3"], action="append")
+    a = ap.parse_args()
+    for fam, f in (("gemma4", gemma4), ("gemma3", gemma3)):
+        if a.only and fam not in a.only:
+            continue
+        d = OUT / fam
+        if d.exists():
+            shutil.rmtree(d)
+        f(d)
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        print(f"{fam}: {size / 1e6:.2f} MB in {d.relative_to(ROOT)}")
+    for name, src, mode, bits, group, vdt, towers in VARIANTS:
+        if a.only and src not in a.only:
+            continue
+        d = OUT / name
+        if d.exists():
+            shutil.rmtree(d)
+        quantized_variant(OUT / src, d, mode, bits, group, vdt, skip_vision=not towers)
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        print(f"{name}: {size / 1e6:.2f} MB in {d.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
