@@ -136,15 +136,14 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                 }
                 InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex => {
                     let n = node.ty.numel();
-                    let v = match input {
+                    match input {
                         InputKind::Pixels if step.pixels.len() == n => Val::F(Arc::new(step.pixels.to_vec())),
                         InputKind::PatchX if step.patch_x.len() == n => Val::U(Arc::new(step.patch_x.to_vec())),
                         InputKind::PatchY if step.patch_y.len() == n => Val::U(Arc::new(step.patch_y.to_vec())),
                         InputKind::SoftRows if step.soft_rows.len() == n => Val::F(Arc::new(step.soft_rows.to_vec())),
                         InputKind::SoftIndex if step.soft_index.len() == n => Val::U(Arc::new(step.soft_index.to_vec())),
                         _ => return Err(format!("input {} takes {n} values ({}), the step has a different count", node.name, node.ty.describe())),
-                    };
-                    v
+                    }
                 }
             },
             NodeKind::Weight { weight } => {
