@@ -685,14 +685,14 @@ fn real_gemma3_270m_concurrent_streams_match_alone() {
     }
     let starts = ["The capital of France is", "Once upon a time, in a small village by the sea,", "The three primary colors are", "Water boils at"];
     let body = move |i: usize| {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             json!({"prompt": starts[i / 2 % 4], "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stream": true})
         } else {
             json!({"messages": [{"role": "user", "content": starts[i / 2 % 4]}], "max_tokens": 16, "temperature": 0, "ignore_eos": true, "stream": true})
         }
     };
     let run = move |i: usize| {
-        let path = if i % 2 == 0 { "/v1/completions" } else { "/v1/chat/completions" };
+        let path = if i.is_multiple_of(2) { "/v1/completions" } else { "/v1/chat/completions" };
         let (code, _, raw) = http(addr, "POST", path, &[], body(i).to_string().as_bytes());
         assert_eq!(code, 200, "{raw}");
         streamed_text(&raw, i % 2 == 1).0

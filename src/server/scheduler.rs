@@ -195,7 +195,8 @@ struct Slot {
 }
 
 /// What one sequence's step produced: its token and, for log-probabilities, the logits.
-type Sampled = Result<(u32, Option<Vec<f32>>), String>;
+type Token = (u32, Option<Vec<f32>>);
+type Sampled = Result<Token, String>;
 
 struct Worker {
     engine: Arc<Engine>,
@@ -468,7 +469,7 @@ impl Worker {
 
 /// Feeds a piece of a prompt; the last piece samples the first token (at sampler step 0,
 /// as a prompt fed at once does), with the last position's logits where asked for.
-fn feed_prompt(s: &mut Session, ids: &[u32], last: bool, req: &Request) -> Result<Option<(u32, Option<Vec<f32>>)>, String> {
+fn feed_prompt(s: &mut Session, ids: &[u32], last: bool, req: &Request) -> Result<Option<Token>, String> {
     let e = |e: crate::Error| e.to_string();
     if !last {
         s.forward(ids, false, None).map_err(e)?;
