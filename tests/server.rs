@@ -668,8 +668,10 @@ fn real_gemma3_270m_concurrent_streams_match_alone() {
     let dir = dir.to_string_lossy().into_owned();
     let mut args = vec!["serve", "-m", dir.as_str(), "--port", "0", "--backend", "cpu", "--parallel", "8", "--ctx-size", "512"];
     args.extend_from_slice(&["--alias", "gemma"]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_markbase")).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
-    let err = child.stderr.take().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_markbase")).args(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    // killed when the test ends, failed or not
+    let mut child = KillOnDrop(child);
+    let err = child.0.stderr.take().unwrap();
     let mut lines = BufReader::new(err).lines();
     let addr: SocketAddr = loop {
         let l = lines.next().expect("the server exited").unwrap();
@@ -703,6 +705,14 @@ fn real_gemma3_270m_concurrent_streams_match_alone() {
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "stream {i}: concurrent output differs from alone");
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
