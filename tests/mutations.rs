@@ -66,9 +66,9 @@ impl Bug {
             Op::RmsNorm { scale, .. } | Op::RmsNormAdd { scale, .. } | Op::NormMatMul { scale, .. } | Op::NormGeGlu { scale, .. } => {
                 self.norm(scale)
             }
-            Op::Rope { theta, .. } => self.theta(theta),
+            Op::Rope { theta, .. } | Op::Rope2d { theta } => self.theta(theta),
             Op::NormRope { scale, theta, .. } | Op::KvWriteNormRope { scale, theta, .. } => self.norm(scale) | self.theta(theta),
-            Op::Attention { scale, .. } => self.attn(scale, ty),
+            Op::Attention { scale, .. } | Op::FullAttention { scale } => self.attn(scale, ty),
             Op::NormRopeAttention { scale, norm, theta, .. } => self.attn(scale, ty) | self.norm(norm) | self.theta(theta),
             Op::MatMul
             | Op::GatherMatMul
@@ -84,7 +84,11 @@ impl Bug {
             | Op::Reshape { .. }
             | Op::Slice { .. }
             | Op::Argmax
-            | Op::Sample => false,
+            | Op::Sample
+            | Op::Clamp
+            | Op::AvgPool { .. }
+            | Op::LayerNorm { .. }
+            | Op::Scatter => false,
         }
     }
 
