@@ -192,8 +192,14 @@ pub fn random_weight(p: &WeightParam, seed: u64, one_plus_w_norms: bool) -> Weig
 /// Config and random weights for a synthetic shape, resolved with `spec`.
 pub fn model(name: &str, spec: QuantSpec) -> Result<(ModelConfig, Weights), String> {
     let cfg = config(name)?;
+    let weights = weights(&cfg, spec)?;
+    Ok((cfg, weights))
+}
+
+/// Random weights for any config (a synthetic shape's, or one derived from it), resolved with `spec`.
+pub fn weights(cfg: &ModelConfig, spec: QuantSpec) -> Result<Weights, String> {
     let res = SyntheticResolver { spec };
-    let g = markbase_graph::build(&cfg, &res, &BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
+    let g = markbase_graph::build(cfg, &res, &BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
     let gemma3 = cfg.family == markbase_graph::Family::Gemma3;
     let params: Vec<WeightParam> = g.weights().map(|(_, p)| p.clone()).collect();
     let mut weights = Weights::default();
@@ -202,5 +208,5 @@ pub fn model(name: &str, spec: QuantSpec) -> Result<(ModelConfig, Weights), Stri
             weights.insert(random_weight(p, 0x5eed_0000 + i as u64, gemma3));
         }
     }
-    Ok((cfg, weights))
+    Ok(weights)
 }
