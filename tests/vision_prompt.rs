@@ -84,7 +84,7 @@ pub fn two_image_prompt(family: &str, planted: Option<&dyn Fn(&mut markbase::gra
     let cpu = check_logits(&format!("{family} cpu"), out["logits"].f(), &want, vocab)?;
     println!("{family} cpu logits: {cpu:.2e} of max |logit|");
     let mut gpu = GpuExecutor::new(None, w, true).unwrap_or_else(|e| panic!("no GPU adapter: {e}"));
-    let key = GraphKey { tokens: t, all_logits: true, sample: false };
+    let key = GraphKey { tokens: t, all_logits: true, sample: false, images: false };
     let got = gpu.run(key, &c, &step, true).unwrap().logits.unwrap();
     let e = check_logits(&format!("{family} gpu"), &got, &want, vocab)?;
     println!("{family} gpu logits: {e:.2e} of max |logit|");

@@ -111,7 +111,7 @@ impl ImageEncoder {
             let soft = match &mut self.runner {
                 Runner::Cpu(w) => exec::run(c, w, &mut CpuState::default(), &step).map_err(Error::Device)?["soft"].f().to_vec(),
                 Runner::Gpu(g) => {
-                    let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false };
+                    let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
                     g.run(key, c, &step, true).map_err(Error::Device)?.logits.ok_or_else(|| Error::Device("no soft tokens read back".into()))?
                 }
             };
@@ -236,7 +236,7 @@ pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf]
         DeviceKind::Cpu => exec::run(&c, &mut CpuWeights::new(w), &mut CpuState::default(), &step)?["logits"].f().to_vec(),
         DeviceKind::Gpu(b) => {
             let mut g = GpuExecutor::new(b, w, check_nan)?;
-            let key = GraphKey { tokens: t, all_logits: true, sample: false };
+            let key = GraphKey { tokens: t, all_logits: true, sample: false, images: false };
             g.run(key, &c, &step, true)?.logits.ok_or("no logits read back")?
         }
     };

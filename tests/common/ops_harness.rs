@@ -282,8 +282,8 @@ fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<
     StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent, attend_until: &c.attend_until, ..Default::default() }
 }
 
-const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false };
-const MAIN: GraphKey = GraphKey { tokens: 0, all_logits: false, sample: false };
+const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false, images: false };
+const MAIN: GraphKey = GraphKey { tokens: 0, all_logits: false, sample: false, images: false };
 
 fn cpu_run(c: &Case, main: &Compiled, prelude: Option<&Compiled>) -> Result<Vec<Got>, String> {
     let mut ws = Weights::default();
