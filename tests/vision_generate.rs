@@ -107,3 +107,32 @@ fn image_input_errors() {
     let e = m.forward_with_images(&p.ids[..10], &p.images, false, None).unwrap_err().to_string();
     assert!(e.contains("image placeholders"), "{e}");
 }
+
+/// Gemma 3 with pan-and-scan on (crops of at least 32 px): the wide image makes two crops, and
+/// the prompt holds HF's sentence around the whole image's run and the crops' (ids equal to
+/// `Gemma3Processor`'s); the three runs are fed whole.
+#[test]
+fn gemma3_pan_and_scan_prompt_matches_hf() {
+    let src = dir("gemma3");
+    let tmp = std::env::temp_dir().join(format!("markbase-pan-and-scan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() && e.file_name() != "preprocessor_config.json" {
+            std::fs::copy(e.path(), tmp.join(e.file_name())).unwrap();
+        }
+    }
+    let mut pc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("preprocessor_config.json")).unwrap()).unwrap();
+    pc["do_pan_and_scan"] = true.into();
+    pc["pan_and_scan_min_crop_size"] = 32.into();
+    std::fs::write(tmp.join("preprocessor_config.json"), pc.to_string()).unwrap();
+    let mut m = Model::load(&tmp, ModelOptions { device: DeviceKind::Cpu, prefill_chunk: 16, max_context: 128, ..Default::default() }).unwrap();
+    let parts = [Part::Image(load_image(&src.join("wide.png")).unwrap()), Part::Text("w17 w29 w40".into())];
+    let p = m.prompt(&parts, true).unwrap();
+    assert_eq!(p.images[0].tokens, 48, "the whole image and two crops");
+    assert_eq!(p.ids, ids("gemma3", "chat_ids_pan_and_scan"));
+    let toks: Vec<u32> = m.generate_prompt(&p, GenerateParams { max_tokens: 2, ..Default::default() }).unwrap().map(|t| t.unwrap().token).collect();
+    assert_eq!(toks.len(), 2);
+    std::fs::remove_dir_all(&tmp).ok();
+}

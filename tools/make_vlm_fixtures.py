@@ -525,6 +525,7 @@ def prompt_logits(model, family, cfg, ids, soft):
 
 
 CHAT_TEXT = "w17 w29 w40"
+PAN_MIN_CROP = 32
 GREEDY = 4
 
 
@@ -562,6 +563,15 @@ def chat_refs(d, family):
     refs.manifest = json.loads((refs.dir / "manifest.json").read_text())
     info = refs.manifest.pop("_info")
     refs.put("chat_ids", ids.astype(np.int32), f"HF's processing of a user turn [image square.png, text {CHAT_TEXT!r}] with the generation prompt")
+    if family == "gemma3":
+        # pan-and-scan (crops of at least 32 px here): the wide image's run and its crops' runs
+        wide = Image.open(d / "wide.png").convert("RGB")
+        msgs_wide = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CHAT_TEXT}]}]
+        text = proc.apply_chat_template(msgs_wide, add_generation_prompt=True, tokenize=False)
+        pan = proc(text=[text], images=[[wide]], return_tensors="np", do_pan_and_scan=True, pan_and_scan_min_crop_size=PAN_MIN_CROP,
+                   pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
+        refs.put("chat_ids_pan_and_scan", np.asarray(pan["input_ids"])[0].astype(np.int32),
+                 f"as chat_ids with wide.png, pan-and-scan on (min crop {PAN_MIN_CROP} px): the whole image and its crops")
 
     model = load_model(d)
     soft = image_soft(model, family, cfg, img)
