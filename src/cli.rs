@@ -257,7 +257,7 @@ pub fn generate(m: &mut Model, prompt: &str, chat: bool, images: &[RgbImage], o:
     let ids = &p.ids;
     let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
     let t = std::time::Instant::now();
-    m.prepare(ids.len(), &o.sampling)?;
+    m.prepare_with_images(ids, &p.images, &o.sampling)?;
     let compile = t.elapsed().as_secs_f64();
     let mut g = m.generate_prompt(&p, params)?;
     {

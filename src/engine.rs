@@ -428,6 +428,38 @@ impl Session {
         Ok(())
     }
 
+    /// [`Session::prepare`] for a prompt of `ids` whose placeholder runs take `images` (its
+    /// steps, with image rows where they hold image tokens).
+    pub fn prepare_with_images(&mut self, ids: &[u32], images: &[SoftTokens], s: &SampleParams) -> Result<(), Error> {
+        if images.is_empty() {
+            return self.prepare(ids.len(), s);
+        }
+        let sample = !s.is_greedy();
+        let (_, steps) = self.plan(ids, images)?;
+        for (tokens, images) in steps.into_iter().chain([(1, false)]) {
+            self.graph(GraphKey { tokens, all_logits: false, sample, images })?;
+        }
+        Ok(())
+    }
+
+    /// The steps `ids` are fed in (and whether each takes image rows), with their image
+    /// prompt where `images` are given (Gemma 3: no step ends inside an image's run).
+    fn plan(&self, ids: &[u32], images: &[SoftTokens]) -> Result<(Option<crate::vision::encode::ImagePrompt>, Vec<(usize, bool)>), Error> {
+        if images.is_empty() {
+            return Ok((None, prefill_steps(ids.len(), self.engine.chunk).into_iter().map(|n| (n, false)).collect()));
+        }
+        let vc = self.engine.vision_or_err()?;
+        let p = crate::vision::encode::image_prompt(ids, vc.image_token, images)?;
+        let spans = if vc.kind == TowerKind::Siglip { image_spans(ids, vc.image_token) } else { vec![] };
+        let mut start = 0;
+        let mut steps = vec![];
+        for n in span_steps(ids.len(), self.engine.chunk, &spans)? {
+            steps.push((n, p.soft_index[start..start + n].iter().any(|&i| i > 0)));
+            start += n;
+        }
+        Ok((Some(p), steps))
+    }
+
     /// Counters of the last GPU step (submits, dispatches, encode time).
     pub fn gpu_stats(&mut self) -> Option<StepStats> {
         self.exec.stats()
@@ -539,23 +571,14 @@ impl Session {
             return Err(Error::Input(format!("context full: {} + {} tokens exceed max_context {max_context}", self.history.len(), ids.len())));
         }
         // with images: the placeholders filled, and where each step may end
-        let (img, steps) = match images.is_empty() {
-            true => (None, prefill_steps(ids.len(), self.engine.chunk)),
-            false => {
-                let vc = self.engine.vision_or_err()?;
-                let p = crate::vision::encode::image_prompt(ids, vc.image_token, images)?;
-                let spans = if vc.kind == TowerKind::Siglip { image_spans(ids, vc.image_token) } else { vec![] };
-                let steps = span_steps(ids.len(), self.engine.chunk, &spans)?;
-                (Some(p), steps)
-            }
-        };
+        let (img, steps) = self.plan(ids, images)?;
         let mut all = vec![];
         let mut last = StepOutput::default();
         let mut start = 0;
-        for n in steps {
+        for (n, with_rows) in steps {
             let chunk = &ids[start..start + n];
             // this step's image rows, one per token (zeros for text), and attention bounds
-            let rows = img.as_ref().filter(|p| p.soft_index[start..start + n].iter().any(|&i| i > 0)).map(|p| step_rows(p, start, n, self.history.len()));
+            let rows = img.as_ref().filter(|_| with_rows).map(|p| step_rows(p, start, n, self.history.len()));
             start += n;
             let key = GraphKey { tokens: n, all_logits, sample: sampling.is_some_and(|s| !s.is_greedy()), images: rows.is_some() };
             self.graph(key)?;

@@ -36,6 +36,13 @@ fn check(family: &str, device: DeviceKind, chunk: usize) -> f32 {
     let mut m = load(family, device, chunk);
     let p = m.prompt(&parts(family), true).unwrap();
     assert_eq!(p.ids, ids(family, "chat_ids"), "{family}: chat prompt ids");
+    // the generation's graphs compiled up front
+    let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
+    m.prepare_with_images(&p.ids, &p.images, &params.sampling).unwrap();
+    let compiled = m.engine().compiled_graphs();
+    let toks: Vec<u32> = m.generate_prompt(&p, params).unwrap().map(|t| t.unwrap().token).collect();
+    assert_eq!(toks, ids(family, "chat_greedy"), "{family} {device:?}: greedy tokens");
+    assert_eq!(m.engine().compiled_graphs(), compiled, "graphs compiled during the generation");
     let want = markbase::npy::read_f32(&dir(family).join("ref/chat_logits.npy")).unwrap().data;
     m.reset();
     let got = m.forward_with_images(&p.ids, &p.images, true, None).unwrap().logits.unwrap();
@@ -43,9 +50,6 @@ fn check(family: &str, device: DeviceKind, chunk: usize) -> f32 {
     let mx = want.iter().fold(0f32, |a, b| a.max(b.abs()));
     let e = got.iter().zip(want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / mx;
     assert!(e <= 5e-4, "{family} {device:?}: prompt logits {e:.2e} of max |logit|");
-    let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
-    let toks: Vec<u32> = m.generate_prompt(&p, params).unwrap().map(|t| t.unwrap().token).collect();
-    assert_eq!(toks, ids(family, "chat_greedy"), "{family} {device:?}: greedy tokens");
     println!("{family} {device:?} chunk {chunk}: prompt logits {e:.2e} of max |logit|, greedy tokens {toks:?}");
     e
 }
