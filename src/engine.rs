@@ -100,8 +100,9 @@ pub struct Engine {
     max_context: usize,
     chunk: usize,
     fuse: FuseOptions,
-    /// The vision tower's config, where the checkpoint has one.
-    vision: Option<VisionConfig>,
+    /// The vision tower's config, where the checkpoint has one (a malformed one is reported
+    /// when images are given, and does not keep text from running).
+    vision: Result<Option<VisionConfig>, String>,
     /// The image encoder (the vision tower on the engine's device), opened on first use.
     encoder: Mutex<Option<ImageEncoder>>,
     /// The device the graphs run on, and NaN checks (for the image encoder).
@@ -133,7 +134,7 @@ impl Engine {
             None
         };
         let config = ck.config().clone();
-        let vision = ck.vision_config()?;
+        let vision = ck.vision_config().map_err(|e| e.to_string());
         let parts = Parts { checkpoint: Some(ck), dir: Some(dir.to_path_buf()), notice, opened, vision };
         Self::new(config, parts, Arc::new(weights), tokenizer, &opts)
     }
@@ -147,7 +148,7 @@ impl Engine {
         let need = crate::memory::Needs::of(&build(&BuildOptions::decode(opts.max_context, chunk))?, &build(&prefill_options(opts.max_context, chunk))?)
             .map_err(Error::Config)?;
         let (opened, notice) = open_device(opts, &need)?;
-        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: None }, weights, tokenizer, opts)
+        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: Ok(None) }, weights, tokenizer, opts)
     }
 
     fn new(config: ModelConfig, parts: Parts, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
@@ -236,12 +237,13 @@ impl Engine {
 
     /// The vision tower's config (`None`: the checkpoint takes no images).
     pub fn vision_config(&self) -> Option<&VisionConfig> {
-        self.vision.as_ref()
+        self.vision.as_ref().ok().and_then(|v| v.as_ref())
     }
 
     /// The vision config, or the error of giving images to a model without a vision tower.
     pub fn vision_or_err(&self) -> Result<&VisionConfig, Error> {
-        self.vision.as_ref().ok_or_else(|| {
+        let v = self.vision.as_ref().map_err(|e| Error::Config(e.clone()))?;
+        v.as_ref().ok_or_else(|| {
             let what = self.dir.as_ref().map_or("this model".to_string(), |d| d.display().to_string());
             Error::Input(format!("{what} has no vision tower (no vision_config in config.json): it takes no images"))
         })
@@ -673,7 +675,7 @@ struct Parts {
     dir: Option<PathBuf>,
     notice: Option<String>,
     opened: Opened,
-    vision: Option<VisionConfig>,
+    vision: Result<Option<VisionConfig>, String>,
 }
 
 /// A model directory, told apart from what it is often confused with (a GGUF or
