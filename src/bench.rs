@@ -82,7 +82,7 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
     let vocab = config.vocab_size as u32;
     let prompt: Vec<u32> = (0..o.prompt as u32).map(|i| 2 + (i * 7919) % (vocab - 2)).collect();
     let bpt = {
-        let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false })?;
+        let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false, images: false })?;
         bytes_per_token(c, &weights)
     };
     // Warm-up: build every graph and pipeline once.
@@ -180,7 +180,7 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
     }
     // GPU time per phase, and per op kind.
     if let DeviceKind::Gpu(_) = device {
-        let key = GraphKey { tokens: 1, all_logits: false, sample: false };
+        let key = GraphKey { tokens: 1, all_logits: false, sample: false, images: false };
         m.set_profile(Profile::Phases);
         m.reset();
         // at the context the timed decode runs at (attention reads every cached key)
@@ -229,7 +229,7 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
             m.reset();
             m.forward(&prompt, false, None)?;
             if let Some(p) = m.gpu_profile() {
-                let c = m.graph(GraphKey { tokens: prompt.len(), all_logits: false, sample: false })?;
+                let c = m.graph(GraphKey { tokens: prompt.len(), all_logits: false, sample: false, images: false })?;
                 let (total, by_op) = ops_by_weight(c, &p);
                 rec["gpu_prefill_profile_total_ms"] = json!(total * 1e3);
                 rec["gpu_prefill_profile_by_op"] = json!(by_op);

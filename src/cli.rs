@@ -55,7 +55,9 @@ pub fn graph(dir: &Path, format: DumpFormat, tokens: usize, max_context: usize, 
 use std::io::Write;
 
 use crate::model::{DeviceKind, GenerateParams, Model, ModelOptions, SampleParams, StopReason};
-use crate::tokenizer::Message;
+use crate::tokenizer::{ContentPart, Message, PartsMessage};
+use crate::vision::prompt::{Part, Prompt};
+use crate::vision::{RgbImage, SoftTokens};
 
 /// Parses a `--backend` value: `cpu` or a GPU backend name. Without one, the
 /// environment's (`MARKBASE_BACKEND`, `WGPU_BACKEND`) is checked now, before anything is loaded.
@@ -226,16 +228,38 @@ fn stream(g: &mut crate::model::Generation<'_>, reply: &mut String) -> Result<St
     Ok(Streamed { n, first, decode: last - first, why: g.stop_reason() })
 }
 
-/// `markbase generate`: streams the continuation of `prompt` to stdout.
-pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Result<(), String> {
+/// Decodes image files (before any weight is loaded: a bad file is reported first), for the
+/// model in `dir`, which must have a vision tower.
+pub fn read_images(dir: &Path, paths: &[std::path::PathBuf]) -> Result<Vec<RgbImage>, String> {
+    if paths.is_empty() {
+        return Ok(vec![]);
+    }
+    let imgs = paths.iter().map(|p| crate::vision::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+    let ck = crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?;
+    if ck.vision_config().map_err(|e| e.to_string())?.is_none() {
+        return Err(format!("{} has no vision tower (no vision_config in config.json): it takes no images", dir.display()));
+    }
+    Ok(imgs)
+}
+
+/// `markbase generate`: streams the continuation of `prompt` (after `images`) to stdout.
+pub fn generate(m: &mut Model, prompt: &str, chat: bool, images: &[RgbImage], o: &GenOptions) -> Result<(), String> {
     o.sampling.validate()?;
-    let tk = m.tokenizer()?;
-    let ids = if chat { tk.encode_chat(&[Message::user(prompt)])? } else { tk.encode(prompt, true)? };
+    let mut parts: Vec<Part> = images.iter().cloned().map(Part::Image).collect();
+    parts.push(Part::Text(prompt.to_string()));
+    let p = if images.is_empty() {
+        let tk = m.tokenizer()?;
+        let ids = if chat { tk.encode_chat(&[Message::user(prompt)])? } else { tk.encode(prompt, true)? };
+        Prompt { ids, images: vec![] }
+    } else {
+        m.prompt(&parts, chat)?
+    };
+    let ids = &p.ids;
     let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
     let t = std::time::Instant::now();
-    m.prepare(ids.len(), &o.sampling)?;
+    m.prepare_with_images(ids, &p.images, &o.sampling)?;
     let compile = t.elapsed().as_secs_f64();
-    let mut g = m.generate(&ids, params)?;
+    let mut g = m.generate_prompt(&p, params)?;
     {
         let mut out = std::io::stdout().lock();
         let _ = write!(out, "{}", if chat { "".into() } else { printable(prompt) });
@@ -258,11 +282,16 @@ pub fn generate(m: &mut Model, prompt: &str, chat: bool, o: &GenOptions) -> Resu
 
 /// `markbase chat`: an interactive loop on stdin. Each turn feeds only what the
 /// conversation adds to the cached sequence (the template re-rendered, its common
-/// prefix with the cached tokens kept).
-pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>) -> Result<(), String> {
+/// prefix with the cached tokens kept). `images` go with the first turn; `/image PATH` adds
+/// one to the next turn (images come before the turn's text).
+pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<RgbImage>) -> Result<(), String> {
     o.sampling.validate()?;
     m.tokenizer()?;
-    let mut msgs: Vec<Message> = system.map(|s| vec![Message::system(s)]).unwrap_or_default();
+    let mut msgs: Vec<PartsMessage> = system.map(|s| vec![PartsMessage::text("system", s)]).unwrap_or_default();
+    // the soft tokens of the conversation's images, and the images of the next turn
+    let mut soft: Vec<SoftTokens> = vec![];
+    let mut pending = images;
+    let image_token = m.engine().vision_config().map_or(u32::MAX, |v| v.image_token);
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");
@@ -277,20 +306,47 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>) -> Result<(), S
         if line == "/exit" || line == "/quit" {
             return Ok(());
         }
-        msgs.push(Message::user(line));
-        let ids = m.tokenizer()?.encode_chat(&msgs)?;
-        let common = m.tokens().iter().zip(&ids).take_while(|(a, b)| a == b).count();
-        // at least one token is fed: the step that samples the reply's first token
-        let keep = common.min(ids.len().saturating_sub(1));
-        let reused = if keep > 0 && m.truncate(keep) {
-            keep
-        } else {
-            m.reset();
-            0
+        if let Some(path) = line.strip_prefix("/image") {
+            let path = Path::new(path.trim());
+            match m.engine().vision_or_err().map_err(String::from).and_then(|_| crate::vision::load_image(path).map_err(|e| e.to_string())) {
+                Ok(img) => {
+                    pending.push(img);
+                    eprintln!("[image {} added to the next turn]", path.display());
+                }
+                Err(e) => eprintln!("error: {e}"),
+            }
+            continue;
+        }
+        let turn_images = pending.len();
+        let new_soft = match m.encode_images(&std::mem::take(&mut pending)) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: {e}");
+                continue;
+            }
         };
+        let mut content = vec![ContentPart::Image; turn_images];
+        content.push(ContentPart::Text { text: line.to_string() });
+        msgs.push(PartsMessage::new("user", content));
+        soft.extend(new_soft);
+        let turn = (|| -> Result<(usize, usize, Prompt), String> {
+            let p = m.chat_prompt(&msgs, soft.clone())?;
+            let common = m.tokens().iter().zip(&p.ids).take_while(|(a, b)| a == b).count();
+            // at least one token is fed: the step that samples the reply's first token
+            let (keep, rest) = p.tail(common.min(p.ids.len().saturating_sub(1)), image_token);
+            if keep > 0 && m.truncate(keep) {
+                Ok((p.ids.len(), keep, rest))
+            } else {
+                m.reset();
+                Ok((p.ids.len(), 0, p))
+            }
+        })();
         let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
         let mut reply = String::new();
-        let r = m.generate_after(&ids[reused..], params).map_err(String::from).and_then(|mut g| stream(&mut g, &mut reply));
+        let (total, reused) = turn.as_ref().map_or((0, 0), |t| (t.0, t.1));
+        let r = turn.and_then(|(_, _, rest)| {
+            m.generate_after_with_images(&rest.ids, &rest.images, params).map_err(String::from).and_then(|mut g| stream(&mut g, &mut reply))
+        });
         match r {
             Ok(s) => {
                 if s.why != Some(StopReason::Stop) {
@@ -298,17 +354,19 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>) -> Result<(), S
                 }
                 eprintln!(
                     "[{} new prompt tokens ({} cached), prefill {:.2}s; {} generated, decode {}]",
-                    ids.len() - reused,
+                    total - reused,
                     reused,
                     s.first,
                     s.n,
                     rate(s.n.saturating_sub(1), s.decode)
                 );
-                msgs.push(Message::assistant(reply.trim()));
+                msgs.push(PartsMessage::text("assistant", reply.trim()));
             }
             Err(e) => {
                 eprintln!("error: {e}");
+                // the turn is dropped with its images
                 msgs.pop();
+                soft.truncate(soft.len() - turn_images);
             }
         }
     }

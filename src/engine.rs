@@ -28,7 +28,9 @@ use crate::exec::{CpuExecutor, Executor, GraphKey, Profile, ProfileResult, StepO
 use crate::gpu::runtime::{GpuExecutor, GpuShared};
 use crate::loader::{Checkpoint, LoadOptions, ProgressFn};
 use crate::tokenizer::Tokenizer;
+use crate::vision::{ImageEncoder, RgbImage, SoftTokens};
 use crate::weights::Weights;
+use markbase_graph::vision::{TowerKind, VisionConfig};
 
 /// Where the graph runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,6 +100,14 @@ pub struct Engine {
     max_context: usize,
     chunk: usize,
     fuse: FuseOptions,
+    /// The vision tower's config, where the checkpoint has one (a malformed one is reported
+    /// when images are given, and does not keep text from running).
+    vision: Result<Option<VisionConfig>, String>,
+    /// The image encoder (the vision tower on the engine's device), opened on first use.
+    encoder: Mutex<Option<ImageEncoder>>,
+    /// The device the graphs run on, and NaN checks (for the image encoder).
+    device_kind: DeviceKind,
+    check_nan: bool,
 }
 
 impl Engine {
@@ -124,7 +134,8 @@ impl Engine {
             None
         };
         let config = ck.config().clone();
-        let parts = Parts { checkpoint: Some(ck), dir: Some(dir.to_path_buf()), notice, opened };
+        let vision = ck.vision_config().map_err(|e| e.to_string());
+        let parts = Parts { checkpoint: Some(ck), dir: Some(dir.to_path_buf()), notice, opened, vision };
         Self::new(config, parts, Arc::new(weights), tokenizer, &opts)
     }
 
@@ -137,10 +148,14 @@ impl Engine {
         let need = crate::memory::Needs::of(&build(&BuildOptions::decode(opts.max_context, chunk))?, &build(&prefill_options(opts.max_context, chunk))?)
             .map_err(Error::Config)?;
         let (opened, notice) = open_device(opts, &need)?;
-        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened }, weights, tokenizer, opts)
+        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: Ok(None) }, weights, tokenizer, opts)
     }
 
     fn new(config: ModelConfig, parts: Parts, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
+        let device_kind = match parts.opened {
+            Opened::Cpu => DeviceKind::Cpu,
+            Opened::Gpu(_) => opts.device,
+        };
         let device = match parts.opened {
             Opened::Cpu => Device::Cpu(crate::cpu::exec::CpuWeights::new(weights.clone())),
             Opened::Gpu(gpu) => {
@@ -162,6 +177,10 @@ impl Engine {
             max_context: opts.max_context,
             chunk: opts.prefill_chunk.min(opts.max_context),
             fuse: opts.fuse.clone(),
+            vision: parts.vision,
+            encoder: Mutex::new(None),
+            device_kind,
+            check_nan: opts.check_nan,
         }))
     }
 
@@ -216,6 +235,32 @@ impl Engine {
         self.chunk
     }
 
+    /// The vision tower's config (`None`: the checkpoint takes no images).
+    pub fn vision_config(&self) -> Option<&VisionConfig> {
+        self.vision.as_ref().ok().and_then(|v| v.as_ref())
+    }
+
+    /// The vision config, or the error of giving images to a model without a vision tower.
+    pub fn vision_or_err(&self) -> Result<&VisionConfig, Error> {
+        let v = self.vision.as_ref().map_err(|e| Error::Config(e.clone()))?;
+        v.as_ref().ok_or_else(|| {
+            let what = self.dir.as_ref().map_or("this model".to_string(), |d| d.display().to_string());
+            Error::Input(format!("{what} has no vision tower (no vision_config in config.json): it takes no images"))
+        })
+    }
+
+    /// The soft tokens of `img` from the checkpoint's vision tower, on the engine's device
+    /// (the tower is loaded on first use).
+    pub fn encode_image(&self, img: &RgbImage) -> Result<SoftTokens, Error> {
+        self.vision_or_err()?;
+        let dir = self.dir.as_ref().ok_or_else(|| Error::Input("this model was not loaded from a checkpoint: it takes no images".into()))?;
+        let mut enc = self.encoder.lock().map_err(|_| Error::Device("the engine's image encoder is poisoned".into()))?;
+        if enc.is_none() {
+            *enc = Some(ImageEncoder::open(dir, self.device_kind, None, self.check_nan)?);
+        }
+        enc.as_mut().map(|e| e.encode(img)).unwrap_or_else(|| Err(Error::Device("no image encoder".into())))
+    }
+
     /// Compiled graphs so far (one per key; prompts are cut into a bounded set of step sizes).
     pub fn compiled_graphs(&self) -> usize {
         self.graphs.lock().map(|g| g.len()).unwrap_or(0)
@@ -238,6 +283,8 @@ impl Engine {
         o.sample = key.sample;
         o.kind = if key.tokens == 1 { GraphKind::Decode } else { GraphKind::Prefill };
         o.fuse = self.fuse.clone();
+        // image steps take a soft row per token (unused rows are zeros)
+        o.soft_rows = if key.images { key.tokens } else { 0 };
         let g: Graph = match &self.checkpoint {
             Some(ck) => ck.build(o)?,
             None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| Error::Config(e.to_string()))?,
@@ -262,6 +309,36 @@ pub fn prefill_steps(n: usize, chunk: usize) -> Vec<usize> {
         rest -= p;
     }
     steps
+}
+
+/// The step sizes of a prompt of `n` tokens whose `spans` (`[start, end)`, sorted, disjoint)
+/// must each be fed within one step (Gemma 3's image spans, which attend to themselves): as
+/// [`prefill_steps`], a step shortened to end where a span starts, or stretched to end where
+/// one ends when it starts there. A span longer than `chunk` is an error.
+pub fn span_steps(n: usize, chunk: usize, spans: &[(usize, usize)]) -> Result<Vec<usize>, Error> {
+    let floor2 = |x: usize| 1usize << (usize::BITS - 1 - x.leading_zeros());
+    let (mut steps, mut start) = (vec![], 0);
+    while start < n {
+        let rest = n - start;
+        let mut s = if rest >= chunk { chunk } else { floor2(rest) };
+        while let Some(&(a, b)) = spans.iter().find(|&&(a, b)| a < start + s && start + s < b) {
+            if a > start {
+                s = floor2(a - start);
+            } else {
+                if b - start > chunk {
+                    return Err(Error::Input(format!(
+                        "an image of {} soft tokens does not fit a prefill step of {chunk} tokens (its tokens attend to each other and are fed at once)",
+                        b - a
+                    )));
+                }
+                s = b - start;
+                break;
+            }
+        }
+        steps.push(s);
+        start += s;
+    }
+    Ok(steps)
 }
 
 /// One sequence on an [`Engine`].
@@ -348,9 +425,41 @@ impl Session {
         lens.push(1);
         lens.dedup();
         for tokens in lens {
-            self.graph(GraphKey { tokens, all_logits: false, sample })?;
+            self.graph(GraphKey { tokens, all_logits: false, sample, images: false })?;
         }
         Ok(())
+    }
+
+    /// [`Session::prepare`] for a prompt of `ids` whose placeholder runs take `images` (its
+    /// steps, with image rows where they hold image tokens).
+    pub fn prepare_with_images(&mut self, ids: &[u32], images: &[SoftTokens], s: &SampleParams) -> Result<(), Error> {
+        if images.is_empty() {
+            return self.prepare(ids.len(), s);
+        }
+        let sample = !s.is_greedy();
+        let (_, steps) = self.plan(ids, images)?;
+        for (tokens, images) in steps.into_iter().chain([(1, false)]) {
+            self.graph(GraphKey { tokens, all_logits: false, sample, images })?;
+        }
+        Ok(())
+    }
+
+    /// The steps `ids` are fed in (and whether each takes image rows), with their image
+    /// prompt where `images` are given (Gemma 3: no step ends inside an image's run).
+    fn plan(&self, ids: &[u32], images: &[SoftTokens]) -> Result<(Option<crate::vision::encode::ImagePrompt>, Vec<(usize, bool)>), Error> {
+        if images.is_empty() {
+            return Ok((None, prefill_steps(ids.len(), self.engine.chunk).into_iter().map(|n| (n, false)).collect()));
+        }
+        let vc = self.engine.vision_or_err()?;
+        let p = crate::vision::encode::image_prompt(ids, vc.image_token, images)?;
+        let spans = if vc.kind == TowerKind::Siglip { image_spans(ids, vc.image_token) } else { vec![] };
+        let mut start = 0;
+        let mut steps = vec![];
+        for n in span_steps(ids.len(), self.engine.chunk, &spans)? {
+            steps.push((n, p.soft_index[start..start + n].iter().any(|&i| i > 0)));
+            start += n;
+        }
+        Ok((Some(p), steps))
     }
 
     /// Counters of the last GPU step (submits, dispatches, encode time).
@@ -404,7 +513,7 @@ impl Session {
             return Err(Error::Input(format!("context full: max_context {}", self.engine.max_context)));
         }
         // greedy steps take the argmax (many workgroups) instead of the sampler (one)
-        let key = GraphKey { tokens: 1, all_logits: false, sample: !s.is_greedy() };
+        let key = GraphKey { tokens: 1, all_logits: false, sample: !s.is_greedy(), images: false };
         self.graph(key)?;
         let pos = [self.history.len() as u32];
         let tok = [token.unwrap_or(0)];
@@ -442,6 +551,13 @@ impl Session {
     /// output of the last step (its last position's token); with `all_logits`, the logits of
     /// every fed position are concatenated.
     pub fn forward(&mut self, ids: &[u32], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, Error> {
+        self.forward_with_images(ids, &[], all_logits, sampling)
+    }
+
+    /// [`Session::forward`] of `ids` whose image placeholder runs (the model's image token,
+    /// as the processor expands them) take the soft tokens of `images`, in order. Gemma 3:
+    /// each run attends to itself bidirectionally, so that no prefill step ends inside one.
+    pub fn forward_with_images(&mut self, ids: &[u32], images: &[SoftTokens], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, Error> {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to process".into()));
         }
@@ -456,20 +572,27 @@ impl Session {
         if self.history.len() + ids.len() > max_context {
             return Err(Error::Input(format!("context full: {} + {} tokens exceed max_context {max_context}", self.history.len(), ids.len())));
         }
+        // with images: the placeholders filled, and where each step may end
+        let (img, steps) = self.plan(ids, images)?;
         let mut all = vec![];
         let mut last = StepOutput::default();
         let mut start = 0;
-        for n in prefill_steps(ids.len(), self.engine.chunk) {
+        for (n, with_rows) in steps {
             let chunk = &ids[start..start + n];
+            // this step's image rows, one per token (zeros for text), and attention bounds
+            let rows = img.as_ref().filter(|_| with_rows).map(|p| step_rows(p, start, n, self.history.len()));
             start += n;
-            let key = GraphKey { tokens: n, all_logits, sample: sampling.is_some_and(|s| !s.is_greedy()) };
+            let key = GraphKey { tokens: n, all_logits, sample: sampling.is_some_and(|s| !s.is_greedy()), images: rows.is_some() };
             self.graph(key)?;
             let p0 = self.history.len() as u32;
             let positions: Vec<u32> = (p0..p0 + n as u32).collect();
             let mut recent: Vec<u32> = self.history.iter().chain(chunk.iter()).rev().take(RECENT_TOKENS).cloned().collect();
             recent.reverse();
             let words = sampling.map(|s| s.words(self.steps, recent.len() as u32)).unwrap_or_default();
-            let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent, ..Default::default() };
+            let mut step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent, ..Default::default() };
+            if let Some(r) = &rows {
+                step = StepInputs { tokens: &r.tokens, soft_rows: &r.soft_rows, soft_index: &r.soft_index, attend_until: &r.attend_until, ..step };
+            }
             last = self.exec.run(key, &self.graphs[&key], &step, all_logits).map_err(Error::Device)?;
             self.runs += 1;
             self.history.extend_from_slice(chunk);
@@ -495,6 +618,44 @@ impl Session {
     }
 }
 
+/// The `[start, end)` of each run of `image_token` in `ids`.
+pub fn image_spans(ids: &[u32], image_token: u32) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = vec![];
+    for (i, &t) in ids.iter().enumerate() {
+        if t == image_token {
+            match spans.last_mut() {
+                Some(s) if s.1 == i => s.1 = i + 1,
+                _ => spans.push((i, i + 1)),
+            }
+        }
+    }
+    spans
+}
+
+/// One prefill step's inputs of an image prompt.
+struct StepRows {
+    tokens: Vec<u32>,
+    soft_rows: Vec<f32>,
+    soft_index: Vec<u32>,
+    attend_until: Vec<u32>,
+}
+
+/// Tokens `start..start + n` of `p` as a step from position `p0`: a soft row per token.
+fn step_rows(p: &crate::vision::encode::ImagePrompt, start: usize, n: usize, p0: usize) -> StepRows {
+    let width = p.soft_rows.len() / p.soft_index.iter().filter(|&&i| i > 0).count().max(1);
+    let mut soft_rows = vec![0f32; n * width];
+    let mut soft_index = vec![0u32; n];
+    for (i, &src) in p.soft_index[start..start + n].iter().enumerate() {
+        if src > 0 {
+            let r = src as usize - 1;
+            soft_rows[i * width..(i + 1) * width].copy_from_slice(&p.soft_rows[r * width..(r + 1) * width]);
+            soft_index[i] = i as u32 + 1;
+        }
+    }
+    let attend_until = p.span_ends[start..start + n].iter().map(|&e| (p0 + e as usize - start) as u32).collect();
+    StepRows { tokens: p.tokens[start..start + n].to_vec(), soft_rows, soft_index, attend_until }
+}
+
 /// The prefill graph of one full chunk (at least 2 tokens), whose buffers a load checks.
 fn prefill_options(max_context: usize, chunk: usize) -> BuildOptions {
     let mut o = BuildOptions::prefill(chunk.max(2), max_context.max(2));
@@ -514,6 +675,7 @@ struct Parts {
     dir: Option<PathBuf>,
     notice: Option<String>,
     opened: Opened,
+    vision: Result<Option<VisionConfig>, String>,
 }
 
 /// A model directory, told apart from what it is often confused with (a GGUF or

@@ -20,12 +20,15 @@ pub struct StepOutput {
     pub token: u32,
 }
 
-/// Key of a compiled graph: tokens per step, outputs, device sampling.
+/// Key of a compiled graph: tokens per step, outputs, device sampling, image rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GraphKey {
     pub tokens: usize,
     pub all_logits: bool,
     pub sample: bool,
+    /// A prefill step taking image soft-token rows (one per token, see
+    /// `BuildOptions::soft_rows`; Gemma 3: with attention bounds).
+    pub images: bool,
 }
 
 /// Timestamp profiling of steps.

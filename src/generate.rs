@@ -3,6 +3,7 @@
 
 use crate::cpu::ops::SampleParams;
 use crate::engine::{Error, Session};
+use crate::vision::SoftTokens;
 
 /// Parameters of [`Session::generate`].
 #[derive(Clone, Debug)]
@@ -51,18 +52,34 @@ impl Session {
     /// Streams up to `max_tokens` tokens after the current sequence extended by `ids`:
     /// the cached keys and values of the sequence so far are kept (a chat's next turn).
     pub fn generate_after(&mut self, ids: &[u32], params: GenerateParams) -> Result<Generation<'_>, Error> {
+        self.generate_after_with_images(ids, &[], params)
+    }
+
+    /// [`Session::generate_after`] of `ids` whose image placeholder runs take the soft tokens
+    /// of `images` in order (see [`Session::forward_with_images`]).
+    pub fn generate_after_with_images(&mut self, ids: &[u32], images: &[SoftTokens], params: GenerateParams) -> Result<Generation<'_>, Error> {
         params.sampling.validate().map_err(Error::Sampling)?;
         if ids.is_empty() {
             return Err(Error::Input("empty prompt".into()));
         }
         if self.position() + ids.len() > self.max_context() {
+            let soft: usize = images.iter().map(|i| i.tokens).sum();
+            let of_images = match images.len() {
+                0 => String::new(),
+                n => format!(" ({soft} of them the soft tokens of {n} image{})", if n == 1 { "" } else { "s" }),
+            };
             return Err(Error::Input(if self.position() == 0 {
-                format!("the prompt has {} tokens, more than the context of {} tokens: raise the max context (--max-context) or shorten the prompt", ids.len(), self.max_context())
+                format!(
+                    "the prompt has {} tokens{of_images}, more than the context of {} tokens: raise the max context (--max-context) or shorten the prompt",
+                    ids.len(),
+                    self.max_context()
+                )
             } else {
-                format!("context full: {} + {} tokens exceed the context of {} tokens", self.position(), ids.len(), self.max_context())
+                format!("context full: {} + {} tokens{of_images} exceed the context of {} tokens", self.position(), ids.len(), self.max_context())
             }));
         }
-        Ok(Generation { session: self, prompt: ids.to_vec(), params, produced: vec![], pending: None, done: false, stop: None, in_flight: 0 })
+        let images = images.to_vec();
+        Ok(Generation { session: self, prompt: ids.to_vec(), images, params, produced: vec![], pending: None, done: false, stop: None, in_flight: 0 })
     }
 }
 
@@ -70,6 +87,8 @@ impl Session {
 pub struct Generation<'a> {
     session: &'a mut Session,
     prompt: Vec<u32>,
+    /// The soft tokens of the prompt's images, in order.
+    images: Vec<SoftTokens>,
     params: GenerateParams,
     produced: Vec<u32>,
     /// Unpipelined: the last token, fed when the next one is asked for.
@@ -109,7 +128,8 @@ impl Generation<'_> {
         let more_after = |n: usize| n + 1 < self.params.max_tokens;
         let tok = if !self.prompt.is_empty() {
             let prompt = std::mem::take(&mut self.prompt);
-            let t = self.session.forward(&prompt, false, Some(&s))?.token;
+            let images = std::mem::take(&mut self.images);
+            let t = self.session.forward_with_images(&prompt, &images, false, Some(&s))?.token;
             if pipelined && more_after(self.produced.len()) && self.session.position() < self.session.max_context() {
                 self.session.submit_decode(Some(t), &s)?;
                 self.in_flight += 1;

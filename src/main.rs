@@ -143,6 +143,10 @@ enum Cmd {
         /// Wrap the prompt in the checkpoint's chat template.
         #[arg(long)]
         chat: bool,
+        /// An image (PNG, JPEG, WebP) before the prompt's text; repeatable, in order (a model
+        /// with a vision tower).
+        #[arg(long = "image")]
+        images: Vec<PathBuf>,
         #[command(flatten)]
         sample: SampleArgs,
     },
@@ -153,6 +157,9 @@ enum Cmd {
         /// A system prompt before the first turn.
         #[arg(long)]
         system: Option<String>,
+        /// An image for the first turn; repeatable (`/image PATH` adds one to the next turn).
+        #[arg(long = "image")]
+        images: Vec<PathBuf>,
         #[command(flatten)]
         sample: SampleArgs,
     },
@@ -318,15 +325,20 @@ fn main() -> ExitCode {
                 Err("the checkpoint has problems (listed above)".into())
             }
         }),
-        Cmd::Generate { run, prompt, file, chat, sample } => {
+        Cmd::Generate { run, prompt, file, chat, images, sample } => {
             let o = sample.options();
-            o.sampling.validate().and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref())).and_then(|text| {
-                load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &o))
-            })
+            o.sampling
+                .validate()
+                .and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref()))
+                .and_then(|text| Ok((text, cli::read_images(&run.model, &images)?)))
+                .and_then(|(text, imgs)| load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &imgs, &o)))
         }
-        Cmd::Chat { run, system, sample } => {
+        Cmd::Chat { run, system, images, sample } => {
             let o = sample.options();
-            o.sampling.validate().and_then(|()| load(&run, true)).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref()))
+            o.sampling
+                .validate()
+                .and_then(|()| cli::read_images(&run.model, &images))
+                .and_then(|imgs| load(&run, true).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref(), imgs)))
         }
         Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, fuse } => fuse.options().and_then(|fuse| {
             let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse };

@@ -27,6 +27,51 @@ impl Message {
     }
 }
 
+/// One item of a message's content: text, or an image (HF's multimodal message form).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ContentPart {
+    Text { text: String },
+    Image,
+}
+
+/// A chat message whose content may hold images: templates see its content as a list of
+/// `{"type": "text", "text": ..}` and `{"type": "image"}` items where it has an image, as the
+/// text alone otherwise (the same rendering as [`Message`]).
+#[derive(Clone, Debug)]
+pub struct PartsMessage {
+    pub role: String,
+    pub content: Vec<ContentPart>,
+}
+
+impl PartsMessage {
+    pub fn new(role: &str, content: Vec<ContentPart>) -> Self {
+        PartsMessage { role: role.into(), content }
+    }
+    pub fn text(role: &str, s: &str) -> Self {
+        PartsMessage::new(role, vec![ContentPart::Text { text: s.into() }])
+    }
+    /// Images in the content.
+    pub fn images(&self) -> usize {
+        self.content.iter().filter(|p| **p == ContentPart::Image).count()
+    }
+}
+
+impl serde::Serialize for PartsMessage {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut m = s.serialize_struct("Message", 2)?;
+        m.serialize_field("role", &self.role)?;
+        if self.images() > 0 {
+            m.serialize_field("content", &self.content)?;
+        } else {
+            let text: String = self.content.iter().map(|p| if let ContentPart::Text { text } = p { text.as_str() } else { "" }).collect();
+            m.serialize_field("content", &text)?;
+        }
+        m.end()
+    }
+}
+
 /// The tokenizer of a checkpoint.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -101,6 +146,11 @@ impl Tokenizer {
         self.inner.decode(ids, true).map_err(|e| Error::Input(format!("tokenizer: {e}")))
     }
 
+    /// The token string of `id`.
+    pub fn token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -114,8 +164,8 @@ impl Tokenizer {
         self.chat_template.as_deref()
     }
 
-    /// Renders the checkpoint's chat template.
-    pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
+    /// Renders the checkpoint's chat template (over [`Message`]s or [`PartsMessage`]s).
+    pub fn apply_chat_template<M: serde::Serialize>(&self, messages: &[M], add_generation_prompt: bool) -> Result<String, Error> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| Error::Input("this checkpoint has no chat template".into()))?;
         render_chat_template(tpl, self.bos_token.as_deref().unwrap_or_default(), messages, add_generation_prompt)
     }
@@ -153,7 +203,7 @@ impl Tokenizer {
 
 /// Renders a chat template (Jinja, as Hugging Face's `apply_chat_template` sees it) over
 /// `messages`; `raise_exception` in the template becomes an input error.
-pub fn render_chat_template(tpl: &str, bos_token: &str, messages: &[Message], add_generation_prompt: bool) -> Result<String, Error> {
+pub fn render_chat_template<M: serde::Serialize>(tpl: &str, bos_token: &str, messages: &[M], add_generation_prompt: bool) -> Result<String, Error> {
     let mut env = minijinja::Environment::new();
     env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
         Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))

@@ -119,6 +119,7 @@ fn op_names_in_source() -> Vec<String> {
 struct Ctx {
     b: B,
     positions: Vec<u32>,
+    attend_until: Vec<u32>,
     tokens: Vec<u32>,
     sampling: [u32; 8],
     recent: Vec<u32>,
@@ -146,6 +147,7 @@ impl Cases {
         let mut cx = Ctx {
             b,
             positions: (0..t as u32).collect(),
+            attend_until: vec![],
             tokens,
             sampling: [0; 8],
             recent: vec![],
@@ -185,6 +187,7 @@ impl Cases {
             weights,
             tokens: cx.tokens,
             positions: cx.positions,
+            attend_until: cx.attend_until,
             sampling: cx.sampling,
             recent: cx.recent,
             check,
@@ -412,30 +415,48 @@ fn rope(cs: &mut Cases) {
     }
 }
 
+/// Positions `pos0..pos0 + t` and the attention bounds input where tokens `span` (indices of
+/// the step) see each other: the bounds node.
+fn span_bounds(cx: &mut Ctx, pos0: u32, t: usize, span: std::ops::Range<usize>) -> NodeIndex {
+    cx.positions = (pos0..pos0 + t as u32).collect();
+    cx.attend_until = (0..t).map(|i| pos0 + if span.contains(&i) { span.end as u32 - 1 } else { i as u32 }).collect();
+    cx.b.g.input("attn_positions", InputKind::AttnPositions, TensorType::u32(&[2, t]))
+}
+
 fn attention(cs: &mut Cases) {
-    // prefill and decode, causal and windowed, GQA, a ring of slots, split decode
-    for (t, nq, nkv, d, slots, window, pos0) in [
-        (4usize, 4usize, 2usize, 32usize, 16usize, None, 3u32),
-        (1, 4, 1, 64, 96, None, 90),
-        (1, 2, 2, 32, 8, Some(8usize), 20),
-        (5, 6, 3, 48, 12, Some(7), 9),
+    // prefill and decode, causal and windowed, GQA, a ring of slots, split decode; attention
+    // bounds (Gemma 3's image spans: tokens `span` of the step see the whole span), causal and
+    // windowed (the window shorter than the span), odd head dims and counts
+    for (t, nq, nkv, d, slots, window, pos0, span) in [
+        (4usize, 4usize, 2usize, 32usize, 16usize, None, 3u32, None),
+        (1, 4, 1, 64, 96, None, 90, None),
+        (1, 2, 2, 32, 8, Some(8usize), 20, None),
+        (5, 6, 3, 48, 12, Some(7), 9, None),
         // Gemma's head dims: 256 (split decode), 512 (the largest the kernel takes)
-        (1, 2, 1, 256, 40, None, 39),
-        (3, 2, 1, 512, 8, None, 5),
+        (1, 2, 1, 256, 40, None, 39, None),
+        (3, 2, 1, 512, 8, None, 5, None),
+        (7, 4, 2, 40, 24, None, 5, Some(1..5usize)),
+        (9, 3, 1, 36, 16, Some(4), 11, Some(2..8)),
+        (5, 2, 2, 32, 8, None, 0, Some(0..5)),
     ] {
-        let desc = format!("q f32[{t}, {nq}, {d}] kv [{slots}, {nkv}, {d}] window {window:?} pos {pos0}..");
+        let desc = format!("q f32[{t}, {nq}, {d}] kv [{slots}, {nkv}, {d}] window {window:?} pos {pos0}.. span {span:?}");
         cs.add("attention", desc, t, ATTENTION, |cx| {
             fill_caches(cx, 0, slots, (slots, nkv, d));
             let q = cx.b.act(&[t, nq, d], 1.0);
             let k = cx.b.cache(0, false, &[slots, nkv, d]);
             let v = cx.b.cache(0, true, &[slots, nkv, d]);
             cx.positions = (pos0..pos0 + t as u32).collect();
-            (cx.b.op(Op::Attention { scale: 1.0 / (d as f32).sqrt(), window }, &[q, cx.b.positions, k, v]), q)
+            let pos = match span {
+                Some(span) => span_bounds(cx, pos0, t, span),
+                None => cx.b.positions,
+            };
+            (cx.b.op(Op::Attention { scale: 1.0 / (d as f32).sqrt(), window }, &[q, pos, k, v]), q)
         });
     }
     // the fused q norm + RoPE + attention, and its appending one-token form
     for (t, heads, append, norm, window) in [
         (3usize, None, false, NormScale::W, None),
+        (6, Some(HeadRange { start: 1, count: 4 }), false, NormScale::OnePlusW, Some(3)),
         (1, Some(HeadRange { start: 0, count: 4 }), false, NormScale::OnePlusW, Some(6usize)),
         (1, Some(HeadRange { start: 0, count: 4 }), true, NormScale::W, None),
         (1, Some(HeadRange { start: 0, count: 4 }), true, NormScale::None, Some(5)),
@@ -448,8 +469,10 @@ fn attention(cs: &mut Cases) {
             let x = cx.b.act(&[t, xh, d], 2.0);
             let k = cx.b.cache(0, false, &[slots, nkv, d]);
             let v = cx.b.cache(0, true, &[slots, nkv, d]);
+            // six tokens: tokens 1..5 an image span (attention bounds), the window shorter
+            let pos = if t == 6 { span_bounds(cx, pos0, t, 1..5) } else { cx.b.positions };
             cx.positions = (pos0..pos0 + t as u32).collect();
-            let mut ins = vec![x, cx.b.positions, k, v];
+            let mut ins = vec![x, pos, k, v];
             let nw = if append { 2 } else { 1 };
             for _ in 0..nw {
                 ins.extend(norm_weight(&mut cx.b, norm, d, cx.vec));

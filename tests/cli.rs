@@ -498,3 +498,44 @@ fn oversized_config_values_name_the_field_and_the_limit() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+const VLM4: &str = "tests/fixtures/vlm/gemma4";
+const VLM3: &str = "tests/fixtures/vlm/gemma3";
+
+/// `generate --image` and `chat` with `--image` and `/image`: the tiny Gemma 4 vision
+/// fixture's greedy continuation of its chat reference (an image, then `w17 w29 w40`), on the
+/// CPU; Gemma 3 through its own template.
+#[test]
+fn generate_and_chat_with_images() {
+    let sq = format!("{VLM4}/square.png");
+    let want = "w149 w62 w331 w458";
+    let (ok, out, err) = run(&["generate", "-m", VLM4, "--backend", "cpu", "--image", &sq, "-p", "w17 w29 w40", "--chat", "--max-tokens", "4"]);
+    assert!(ok && out.contains(want), "{out}{err}");
+    // the same turn in chat, its image added by /image; a missing file is reported and skipped
+    let stdin = format!("/image {sq}\n/image no-such.png\nw17 w29 w40\n/exit\n");
+    let (ok, out, err) = run_env(&["chat", "-m", VLM4, "--backend", "cpu", "--max-tokens", "4"], &[], &stdin);
+    assert!(ok && out.contains(want), "{out}{err}");
+    assert!(err.contains("error: no-such.png: cannot be read"), "{err}");
+    // --image for the first turn, then a second turn reusing the cached prefix
+    let stdin = "w17 w29 w40\nw5\n/exit\n";
+    let (ok, out, err) = run_env(&["chat", "-m", VLM4, "--backend", "cpu", "--max-tokens", "4", "--image", &sq], &[], stdin);
+    assert!(ok && out.contains(want) && err.contains("[8 new prompt tokens (78 cached)"), "{out}{err}");
+    let (ok, out, err) = run(&["generate", "-m", VLM3, "--backend", "cpu", "--image", &format!("{VLM3}/wide.png"), "-p", "w17", "--chat", "--max-tokens", "2"]);
+    assert!(ok && !out.trim().is_empty(), "{out}{err}");
+}
+
+/// Image errors: a model without a vision tower, unreadable and non-image files, more image
+/// tokens than the context; each a one-line error before anything runs.
+#[test]
+fn image_errors_are_clear() {
+    let sq = format!("{VLM3}/square.png");
+    fails_with(&["generate", "-m", Q4, "--backend", "cpu", "--image", &sq, "-p", "w5"], "has no vision tower");
+    fails_with(&["chat", "-m", Q4, "--backend", "cpu", "--image", &sq], "has no vision tower");
+    fails_with(&["generate", "-m", VLM3, "--backend", "cpu", "--image", "no-such.png", "-p", "w5"], "no-such.png: cannot be read");
+    fails_with(&["generate", "-m", VLM3, "--backend", "cpu", "--image", &format!("{VLM3}/config.json"), "-p", "w5"], "config.json");
+    let e = fails_with(&["generate", "-m", VLM3, "--backend", "cpu", "--image", &sq, "--image", &sq, "-p", "w5", "--max-context", "32"], "more than the context of 32 tokens");
+    assert!(e.contains("(32 of them the soft tokens of 2 images)"), "{e}");
+    // /image in a chat with a text-only model
+    let (ok, _, err) = run_env(&["chat", "-m", Q4, "--backend", "cpu"], &[], &format!("/image {sq}\n/exit\n"));
+    assert!(ok && err.contains("error: ") && err.contains("has no vision tower"), "{err}");
+}

@@ -53,7 +53,7 @@ fn unfused_fixtures_match_mlx_lm_on_gpu() {
 #[test]
 fn rules_fire_and_switch_off() {
     for name in ["gemma3_text-q4", "gemma4_dense_ple-q4", "gemma4_moe-q4"] {
-        for key in [GraphKey { tokens: 1, all_logits: false, sample: false }, GraphKey { tokens: 5, all_logits: true, sample: false }] {
+        for key in [GraphKey { tokens: 1, all_logits: false, sample: false, images: false }, GraphKey { tokens: 5, all_logits: true, sample: false, images: false }] {
             let mut o = common::fixture_options(DeviceKind::Cpu);
             o.fuse = FuseOptions::none();
             let mut m = Model::load(common::fixture(name), o).unwrap();
@@ -97,7 +97,7 @@ fn each_rule_has_a_switch() {
         o.fuse = FuseOptions::without(rule).unwrap();
         assert!(!o.fuse.enabled(rule) && RULES.iter().filter(|r| o.fuse.enabled(r)).count() == RULES.len() - 1);
         let mut m = Model::load(common::fixture(name), o).unwrap();
-        for key in [GraphKey { tokens: 1, all_logits: false, sample: false }, GraphKey { tokens: 5, all_logits: true, sample: false }] {
+        for key in [GraphKey { tokens: 1, all_logits: false, sample: false, images: false }, GraphKey { tokens: 5, all_logits: true, sample: false, images: false }] {
             let g = &m.graph(key).unwrap().graph;
             assert!(g.op_nodes().all(|n| g.node(n).rule != Some(rule)), "{rule} off, yet it fused");
         }

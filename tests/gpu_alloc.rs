@@ -58,7 +58,7 @@ fn kv_cache_over_the_binding_limit_is_an_error_naming_the_layer() {
     let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
     let mut exec = GpuExecutor::new(None, Arc::new(w), false).unwrap();
     let step = StepInputs { tokens: &[2], positions: &[0], ..Default::default() };
-    let key = GraphKey { tokens: 1, all_logits: false, sample: false };
+    let key = GraphKey { tokens: 1, all_logits: false, sample: false, images: false };
     let e = exec.run(key, &c, &step, false).unwrap_err();
     assert!(e.contains("KV cache of layer") && e.contains("(keys)"), "{e}");
     assert!(e.contains(&fmt_bytes(limit)) && e.contains("storage binding limit"), "{e}");
@@ -74,7 +74,7 @@ fn device_error_during_a_step_is_an_error_of_the_step() {
     let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
     let mut exec = GpuExecutor::new(None, Arc::new(w), false).unwrap();
     let step = StepInputs { tokens: &[2], positions: &[0], ..Default::default() };
-    let key = GraphKey { tokens: 1, all_logits: false, sample: false };
+    let key = GraphKey { tokens: 1, all_logits: false, sample: false, images: false };
     exec.run(key, &c, &step, false).expect("a step on intact buffers");
     // the prepared bind groups still hold the KV caches: the next submission is invalid
     exec.destroy_states();

@@ -71,7 +71,7 @@ fn moe_prefill_expert_choice_matches_cpu() {
         let step = StepInputs { tokens: &r.tokens, positions: &positions, ..Default::default() };
         let cpu = run(&c, &mut CpuWeights::new(w.clone()), &mut CpuState::default(), &step).unwrap();
         let mut gpu = GpuExecutor::new(None, w.clone(), false).unwrap();
-        let key = GraphKey { tokens: t, all_logits: true, sample: false };
+        let key = GraphKey { tokens: t, all_logits: true, sample: false, images: false };
         gpu.run(key, &c, &step, false).unwrap();
         let mut near_ties = 0;
         for (l, experts) in layers {
@@ -231,11 +231,11 @@ fn one_submission_per_phase() {
         let r = common::reference(name);
         // 8 tokens: one prefill step (prompts run in power-of-two steps below the chunk)
         m.forward(&r.tokens[..8], false, None).unwrap();
-        let phases = m.graph(GraphKey { tokens: 8, all_logits: false, sample: false }).unwrap().schedule.phases.len();
+        let phases = m.graph(GraphKey { tokens: 8, all_logits: false, sample: false, images: false }).unwrap().schedule.phases.len();
         let s = m.gpu_stats().unwrap();
         assert_eq!(s.submits, phases, "{name}: prefill");
         m.forward(&r.tokens[8..9], false, None).unwrap();
-        let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false }).unwrap();
+        let c = m.graph(GraphKey { tokens: 1, all_logits: false, sample: false, images: false }).unwrap();
         let (phases, ops) = (c.schedule.phases.len(), c.schedule.phases.iter().map(|p| p.len()).sum::<usize>());
         let s = m.gpu_stats().unwrap();
         assert_eq!(s.submits, phases, "{name}: decode");

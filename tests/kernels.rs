@@ -859,7 +859,7 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
     let vc = randn(r, slots * nkv * d, 1.0);
     let scale = 1.0 / (d as f32).sqrt() * 2.0;
     let mut want = vec![0f32; q.len()];
-    cpu::attention(&q, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
+    cpu::attention(&q, &pos, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
     let (qb, pb, kb, vb) = (gpu.upload_f32("q", &q), gpu.upload_u32("pos", &pos), gpu.upload_f32("k", &kc), gpu.upload_f32("v", &vc));
     // split partials merged by a combine dispatch, then by each head's last workgroup (twice:
     // the merging workgroup leaves its counter at zero for the next dispatch)
@@ -893,7 +893,7 @@ fn attention_case(r: &mut StdRng, t: usize, nq: usize, nkv: usize, d: usize, slo
     let mut qr = vec![0f32; sel.len()];
     cpu::rope(&sel, &pos, nq, d, theta, 1.0, pairs, &mut qr);
     let mut want = vec![0f32; qr.len()];
-    cpu::attention(&qr, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
+    cpu::attention(&qr, &pos, &pos, &kc, &vc, nq, nkv, d, scale, window, &mut want);
     let (xb, nwb) = (gpu.upload_f32("x", &x), gpu.upload("nw", &nwt.bytes));
     let rp = RopeParams::new(t, nq, d, theta, 1.0, pairs).with_norm(Some((NormScale::OnePlusW, 1e-6))).with_heads(xh, h0);
     let rpb = gpu.uniform("rope", &rp);
@@ -942,7 +942,7 @@ fn attention_append_case(r: &mut StdRng, pos: &[u32], (nq, nkv, d, slots): (usiz
     cpu::kv_write(&k, pos, nkv * d, &mut want_k);
     cpu::kv_write(&v, pos, nkv * d, &mut want_v);
     let mut want = vec![0f32; nq * d];
-    cpu::attention(&q, pos, &want_k, &want_v, nq, nkv, d, scale, window, &mut want);
+    cpu::attention(&q, pos, pos, &want_k, &want_v, nq, nkv, d, scale, window, &mut want);
     let (xb, pb, qwb, kwb) = (gpu.upload_f32("x", &x), gpu.upload_u32("pos", pos), gpu.upload("qw", &qw.bytes), gpu.upload("kw", &kw.bytes));
     let rp = RopeParams::new(1, nq, d, theta, 1.0, pairs).with_norm(Some((NormScale::OnePlusW, 1e-6))).with_heads(xh, 1);
     let rpb = gpu.uniform("rope", &rp);

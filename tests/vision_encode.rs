@@ -79,7 +79,7 @@ fn logits(args: &[&str]) -> (bool, String) {
 
 /// `logits --image`: the placeholder runs of --tokens filled with the images' soft tokens, the
 /// logits of every position against mlx-vlm's (5e-4 of max |logit|); a run count that
-/// disagrees with the images, or a family without image prompts yet, is a clear error.
+/// disagrees with the images is a clear error. Gemma 3's against HF's image-span mask.
 #[test]
 fn logits_with_images() {
     let g4 = vlm("gemma4");
@@ -101,10 +101,15 @@ fn logits_with_images() {
     let (ok, err) = logits(&["-m", g4.to_str().unwrap(), "--tokens", &ids, "--image", sq.to_str().unwrap(), "--out", o, "--backend", "cpu"]);
     assert!(!ok && err.contains("124 image placeholders") && err.contains("64 soft tokens"), "{err}");
     assert!(!out.exists());
-    // Gemma 3's decoder does not take image rows yet
+    // Gemma 3: each image's span attends to itself bidirectionally (HF's mask)
     let g3 = vlm("gemma3");
-    let run: Vec<&str> = std::iter::once("2").chain(std::iter::repeat_n("500", 16)).chain(["3"]).collect();
-    let (ok, err) = logits(&["-m", g3.to_str().unwrap(), "--tokens", &run.join(","), "--image", sq.to_str().unwrap(), "--out", o, "--backend", "cpu"]);
-    assert!(!ok && err.contains("Gemma 4 only"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
+    let ids: Vec<String> = markbase::npy::read_i32(&g3.join("ref/input_ids.npy")).unwrap().data.iter().map(|v| v.to_string()).collect();
+    let (sq, wide) = (g3.join("square.png"), g3.join("wide.png"));
+    let (ok, err) = logits(&["-m", g3.to_str().unwrap(), "--tokens", &ids.join(","), "--image", sq.to_str().unwrap(), "--image", wide.to_str().unwrap(), "--out", o, "--backend", "cpu"]);
+    assert!(ok, "{err}");
+    let got = markbase::npy::read_f32(&out).unwrap();
+    let e = rel_err(&got.data, &markbase::npy::read_f32(&g3.join("ref/logits.npy")).unwrap().data);
+    println!("gemma3 logits --image: {e:.2e} of max |logit|");
+    assert!(e <= 5e-4, "{e:.2e}");
+    std::fs::remove_file(&out).ok();
 }

@@ -82,7 +82,7 @@ fn gemma4_tower_matches_mlx_vlm_on_the_gpu() {
         let (c, w, pixels, px, py) = setup(name);
         // NaN checks on: a NaN anywhere fails the step
         let mut gpu = GpuExecutor::new(None, Arc::new(w), true).unwrap_or_else(|e| panic!("no GPU adapter: {e}"));
-        let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false };
+        let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
         let step = StepInputs { pixels: &pixels, patch_x: &px, patch_y: &py, ..Default::default() };
         let soft = gpu.run(key, &c, &step, true).unwrap().logits.unwrap();
         for (what, bound) in BOUNDS {
@@ -135,7 +135,7 @@ fn siglip_tower_matches_the_reference_on_cpu_and_gpu() {
         let step = StepInputs { positions: &pos, pixels: &pixels, ..Default::default() };
         let out = exec::run(&c, &mut CpuWeights::new(w.clone()), &mut CpuState::default(), &step).unwrap();
         let mut gpu = GpuExecutor::new(None, w, true).unwrap_or_else(|e| panic!("no GPU adapter: {e}"));
-        let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false };
+        let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
         let soft = gpu.run(key, &c, &step, true).unwrap().logits.unwrap();
         for (what, bound) in SIGLIP_BOUNDS {
             let want = reference_of("gemma3", &format!("{name}_{what}"));

@@ -435,6 +435,154 @@ def gemma3(d):
     refs.close({"tokens_per_image": n})
 
 
+# Tokenizer and chat template of the tiny checkpoints: a WordLevel vocabulary of 512 ids
+# ("w4" .. "w499"), the image ids remapped above, each family's turn markers, and a chat
+# template in each family's turn format that renders an image item as the family's marker.
+TOKENS = {
+    "gemma3": {IMG: "<image_soft_token>", BOI: "<start_of_image>", EOI: "<end_of_image>", 506: "<start_of_turn>", 507: "<end_of_turn>"},
+    "gemma4": {IMG: "<|image|>", BOI: "<|image>", EOI: "<image|>", AUD: "<|audio|>", BOA: "<|audio>", EOA: "<audio|>", 506: "<|turn>", 507: "<turn|>"},
+}
+WORDS = {508: "user", 509: "model", 510: "system"}
+
+TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+        "<start_of_turn>{{ role }}\n"
+        "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
+        "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+        "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+    "gemma4": (
+        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+        "<|turn>{{ role }}\n"
+        "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
+        "{% if item['type'] == 'image' %}<|image|>{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+        "{% endfor %}{% endif %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+    ),
+}
+
+
+def tokenizer_files(d, family):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    special = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", **TOKENS[family]}
+    vocab = {}
+    for i in range(512):
+        vocab[special.get(i) or WORDS.get(i) or f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken(special[i], special=True, normalized=False) for i in sorted(special)])
+    tok.save(str(d / "tokenizer.json"))
+    names = {"image_token": TOKENS[family][IMG], "boi_token": TOKENS[family][BOI], "eoi_token": TOKENS[family][EOI]}
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+          "unk_token": "<unk>", "model_max_length": 1024, "extra_special_tokens": names}
+    (d / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    (d / "chat_template.jinja").write_text(TEMPLATES[family])
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 507], "do_sample": False}, indent=2) + "\n")
+
+
+def image_soft(model, family, cfg, img):
+    """The soft tokens of one image, as the references above compute them."""
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        size = cfg["vision_config"]["image_size"]
+        sig = model.vision_tower.vision_model
+        sig.post_layernorm.eps = cfg["vision_config"]["layer_norm_eps"]
+        pv = np.asarray(Gemma3ImageProcessorPil(size={"height": size, "width": size}).preprocess([img], return_tensors="np")["pixel_values"])[0]
+        h = sig.embeddings(mx.array(pv.transpose(1, 2, 0)[None].astype(np.float32)))
+        for layer in sig.encoder.layers:
+            h = layer(h, None)
+        return model.multi_modal_projector(sig.post_layernorm(h))[0]
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    _, patches, pos, n = gemma4_resized(Gemma4ImageProcessorPil(max_soft_tokens=70), img)
+    tower = model.vision_tower(mx.array(patches[None].astype(np.float32)), mx.array(pos[None].astype(np.int32)))
+    return model.embed_vision(tower[:, :n])[0]
+
+
+def prompt_logits(model, family, cfg, ids, soft):
+    """Logits of every position of `ids` with `soft` in its image run (HF semantics)."""
+    if family == "gemma4":
+        emb = model.get_input_embeddings(input_ids=mx.array([ids], dtype=mx.int32), pixel_values=mx.zeros((1,)), cached_image_features=soft[None])
+        out = model.language_model(inputs=mx.array([ids], dtype=mx.int32), inputs_embeds=emb.inputs_embeds, per_layer_inputs=emb.per_layer_inputs)
+        return np32(out.logits)[0]
+    lm = model.language_model
+    t = len(ids)
+    scale = mx.array(cfg["text_config"]["hidden_size"] ** 0.5, mx.bfloat16).astype(mx.float32)
+    merged = np32(lm.model.embed_tokens(mx.array([ids])) * scale)[0]
+    is_img = np.array(ids) == IMG
+    merged[is_img] = np32(soft)
+    block = np.where(is_img, np.cumsum(np.concatenate([[is_img[0]], is_img[1:] & ~is_img[:-1]])), 0)
+    q, k = np.arange(t)[:, None], np.arange(t)[None, :]
+    full = (k <= q) | ((block[:, None] == block[None, :]) & (block[:, None] > 0))
+    slide = full & (q - k < cfg["text_config"]["sliding_window"])
+    h = mx.array(merged[None])
+    for i, layer in enumerate(lm.model.layers):
+        h = layer(h, mx.array((slide, full)[i % 2 == 1])[None, None], None)
+    return np32(lm.lm_head(lm.model.norm(h)))[0]
+
+
+CHAT_TEXT = "w17 w29 w40"
+PAN_MIN_CROP = 32
+GREEDY = 4
+
+
+def chat_refs(d, family):
+    """The tokenizer files, then HF's processing of a chat turn holding the square image and
+    some text (Gemma 3: `Gemma3Processor`; Gemma 4: the marker expansion of
+    `Gemma4Processor.replace_image_token`, its video and audio processors needing torch), and
+    the greedy continuation of that prompt (HF semantics: Gemma 3's image span bidirectional
+    in the prompt; each new token causal)."""
+    from transformers import AutoTokenizer
+
+    tokenizer_files(d, family)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    tpl = (d / "chat_template.jinja").read_text()
+    img = Image.open(d / "square.png").convert("RGB")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CHAT_TEXT}]}]
+    cfg = json.loads((d / "config.json").read_text())
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+        size = cfg["vision_config"]["image_size"]
+        proc = Gemma3Processor(Gemma3ImageProcessorPil(size={"height": size, "width": size}), tok, chat_template=tpl,
+                               image_seq_length=cfg["mm_tokens_per_image"])
+        text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = np.asarray(proc(text=[text], images=[[img]], return_tensors="np")["input_ids"])[0]
+    else:
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        n = int(np.asarray(Gemma4ImageProcessorPil(max_soft_tokens=70).preprocess([img], return_tensors="np")["num_soft_tokens_per_image"])[0])
+        text = tok.apply_chat_template(msgs, chat_template=tpl, add_generation_prompt=True, tokenize=False)
+        text = text.replace(tok.image_token, f"{tok.boi_token}{tok.image_token * n}{tok.eoi_token}")
+        ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"])
+    refs = Refs(d)
+    refs.manifest = json.loads((refs.dir / "manifest.json").read_text())
+    info = refs.manifest.pop("_info")
+    refs.put("chat_ids", ids.astype(np.int32), f"HF's processing of a user turn [image square.png, text {CHAT_TEXT!r}] with the generation prompt")
+    if family == "gemma3":
+        # pan-and-scan (crops of at least 32 px here): the wide image's run and its crops' runs
+        wide = Image.open(d / "wide.png").convert("RGB")
+        msgs_wide = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CHAT_TEXT}]}]
+        text = proc.apply_chat_template(msgs_wide, add_generation_prompt=True, tokenize=False)
+        pan = proc(text=[text], images=[[wide]], return_tensors="np", do_pan_and_scan=True, pan_and_scan_min_crop_size=PAN_MIN_CROP,
+                   pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
+        refs.put("chat_ids_pan_and_scan", np.asarray(pan["input_ids"])[0].astype(np.int32),
+                 f"as chat_ids with wide.png, pan-and-scan on (min crop {PAN_MIN_CROP} px): the whole image and its crops")
+
+    model = load_model(d)
+    soft = image_soft(model, family, cfg, img)
+    toks = [int(t) for t in ids]
+    for _ in range(GREEDY):
+        toks.append(int(np.argmax(prompt_logits(model, family, cfg, toks, soft)[-1])))
+    refs.put("chat_greedy", np.array(toks[len(ids):], np.int32), f"greedy tokens after chat_ids ({GREEDY})")
+    refs.put("chat_logits", prompt_logits(model, family, cfg, toks, soft), "logits of every position of chat_ids and chat_greedy")
+    refs.close(info)
+
+
 def quantized_variant(src, dst, mode, bits, group, vision_dtype, skip_vision=True):
     """`src` re-stored the way `mlx_vlm.convert` writes a quantized model: the text model
     quantized (`mode`, `bits`, `group`), the towers kept float (cast to `vision_dtype`) unless
@@ -474,7 +622,13 @@ VARIANTS = [
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["gemma4", "gemma3"], action="append")
+    ap.add_argument("--chat-only", action="store_true", help="only (re)write the tokenizers, chat templates and chat references")
     a = ap.parse_args()
+    if a.chat_only:
+        for fam in ("gemma4", "gemma3"):
+            if not a.only or fam in a.only:
+                chat_refs(OUT / fam, fam)
+        return
     for fam, f in (("gemma4", gemma4), ("gemma3", gemma3)):
         if a.only and fam not in a.only:
             continue
@@ -482,6 +636,7 @@ def main():
         if d.exists():
             shutil.rmtree(d)
         f(d)
+        chat_refs(d, fam)
         size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
         print(f"{fam}: {size / 1e6:.2f} MB in {d.relative_to(ROOT)}")
     for name, src, mode, bits, group, vdt, towers in VARIANTS:

@@ -1,6 +1,7 @@
 // Attention over the KV slot ring (cpu::ops::attention): query t of head h sees
-// absolute positions j in [lo, pos[t]] (lo = pos[t] + 1 - window with a window,
-// else 0), stored at slot j % S; kv head = h / (nq / nkv). Online softmax in f32.
+// absolute positions j in [lo, hi] (lo = pos[t] + 1 - window with a window, else 0;
+// hi = pos[t], or max(pos[t], pos[T + t]) with attention bounds: an image span's tokens
+// see the whole span), stored at slot j % S; kv head = h / (nq / nkv). Online softmax in f32.
 //
 // One workgroup per (head, token, split). Keys of the query's range are cut into
 // `nsplit` contiguous parts; each workgroup walks its part in tiles of WG keys (one
@@ -50,7 +51,7 @@ struct Params {
     S: u32,
     window: u32,   // 0: causal only
     nsplit: u32,
-    _p0: u32,
+    spans: u32,    // 1: pos holds attention bounds [2, T], query t sees keys to pos[T + t]
     scale: f32,
     k_head0: u32,  // APPEND
     v_head0: u32,  // APPEND
@@ -194,10 +195,15 @@ fn main(
     if p.window > 0u && pp + 1u > p.window {
         lo = pp + 1u - p.window;
     }
-    let n = pp + 1u - lo;
+    // the last key: the query's own position, or its image span's last (attention bounds)
+    if lid == 0u && p.spans != 0u {
+        wpos = max(pos[p.T + t], pp);
+    }
+    let hi = workgroupUniformLoad(&wpos);
+    let n = hi + 1u - lo;
     let chunk = (n + p.nsplit - 1u) / p.nsplit;
-    let js = min(lo + sp * chunk, pp + 1u);
-    let je = min(js + chunk, pp + 1u);
+    let js = min(lo + sp * chunk, hi + 1u);
+    let je = min(js + chunk, hi + 1u);
 //#if APPEND
     // this split holds the step's key (uniform: pp from a uniform load)
     let has_cur = js <= pp && pp < je;

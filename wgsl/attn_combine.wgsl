@@ -12,7 +12,7 @@ struct Params {
     S: u32,
     window: u32,
     nsplit: u32,
-    _p0: u32,
+    _spans: u32,   // (attention.wgsl's attention bounds)
     scale: f32,
     _k_head0: u32, // (attention.wgsl's APPEND)
     _v_head0: u32,

@@ -71,7 +71,8 @@ pub struct BuildOptions {
     /// The fusion rules run on the built graph (see [`crate::fuse`]).
     pub fuse: FuseOptions,
     /// Soft-token rows (images) the prompt's embeddings take (inputs `soft_rows` `[N, D]` and
-    /// `soft_index` `[T]`, see [`crate::ops::Op::Scatter`]); 0: none. Gemma 4 only.
+    /// `soft_index` `[T]`, see [`crate::ops::Op::Scatter`]); 0: none. Gemma 3 graphs with them
+    /// also take the attention bounds `attn_positions` (image spans attend bidirectionally).
     pub soft_rows: usize,
 }
 
@@ -136,8 +137,8 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
             o.tokens, o.chunk, o.max_context
         )));
     }
-    if o.soft_rows > 0 && cfg.family != Family::Gemma4 {
-        return Err(BuildError::Config(format!("model_type {}: image rows in the prompt are supported for Gemma 4 only", cfg.model_type)));
+    if o.soft_rows > 0 && !matches!(cfg.family, Family::Gemma4 | Family::Gemma3) {
+        return Err(BuildError::Config(format!("model_type {}: image rows in the prompt are supported for Gemma 3 and Gemma 4 only", cfg.model_type)));
     }
     let g = match cfg.family {
         Family::Gemma3 => models::gemma3::build(cfg, res, o),

@@ -62,6 +62,10 @@ pub enum InputKind {
     /// row it takes, plus one (0: its own embedding) `u32[T]`.
     SoftRows,
     SoftIndex,
+    /// Attention bounds `u32[2, T]`: the positions, then for each token the last position
+    /// it attends to (the end of its image span, else its own position; see
+    /// [`crate::ops::Op::Attention`]).
+    AttnPositions,
 }
 
 /// Persistent state owned by the runtime across steps.

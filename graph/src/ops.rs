@@ -150,7 +150,10 @@ pub enum Op {
     KvWriteNormRope { eps: f32, scale: NormScale, theta: f32, factor: f32, rotary_pairs: usize, heads: Option<HeadRange> },
     /// `[q: f32[T, nq, D], pos: u32[T], k: state[S, nkv, D], v: state[S, nkv, D]] -> f32[T, nq, D]`:
     /// query `t` attends to absolute positions `j <= pos[t]` (and `j > pos[t] - window`),
-    /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`.
+    /// read from slot `j % S`. GQA: head `h` uses kv head `h / (nq / nkv)`. With `pos`
+    /// `u32[2, T]` (positions, then last positions: [`crate::ir::InputKind::AttnPositions`]),
+    /// query `t` attends to `j <= pos[1][t]` instead (an image span's tokens see the whole
+    /// span), the window still counted from `pos[0][t]`; the span's keys must be in the caches.
     Attention { scale: f32, window: Option<usize> },
     /// `[x: f32[T, H, D], pos: u32[T], k: state, v: state, w?: f32-weight[D], wk?: f32-weight[D]]
     /// -> f32[T, nq, D]`: [`Op::Attention`] of the queries `rope(rms_norm(x))` ([`Op::NormRope`]
@@ -586,7 +589,8 @@ impl Op {
                 let p = u32_in(1)?;
                 let k = f32_in(2)?;
                 let v = f32_in(3)?;
-                if q.shape.len() != 3 || k.shape.len() != 3 || k.shape != v.shape || p.shape != [q.shape[0]] {
+                let spans = p.shape == [2, q.shape[0]];
+                if q.shape.len() != 3 || k.shape.len() != 3 || k.shape != v.shape || (p.shape != [q.shape[0]] && !spans) {
                     return Err(err(format!("q {} k {} v {}", q.describe(), k.describe(), v.describe())));
                 }
                 if q.shape[2] != k.shape[2] || k.shape[1] == 0 || q.shape[1] % k.shape[1] != 0 {

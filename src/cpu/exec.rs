@@ -110,6 +110,21 @@ pub struct StepInputs<'a> {
     /// Soft-token rows and, per token, the row it takes plus one (graphs built with them).
     pub soft_rows: &'a [f32],
     pub soft_index: &'a [u32],
+    /// Per token, the last position it attends to (graphs with attention bounds, see
+    /// `InputKind::AttnPositions`): its image span's last position, else its own.
+    pub attend_until: &'a [u32],
+}
+
+/// The attention bounds input of a step: the positions, then `attend_until`.
+pub fn attn_positions(step: &StepInputs, n: usize) -> Result<Vec<u32>, String> {
+    let (p, u) = (step.positions, step.attend_until);
+    if p.len() * 2 != n || u.len() != p.len() {
+        return Err(format!("attention bounds: {} positions and {} span ends given, the graph takes {n} values", p.len(), u.len()));
+    }
+    if let Some((t, _)) = p.iter().zip(u).enumerate().find(|(_, (a, b))| b < a) {
+        return Err(format!("token {t} attends to no further than position {}, before its own {}", u[t], p[t]));
+    }
+    Ok(p.iter().chain(u).copied().collect())
 }
 
 /// Runs `c` once.
@@ -128,6 +143,7 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
             NodeKind::Input { input } => match input {
                 InputKind::Tokens => Val::U(Arc::new(tokens.to_vec())),
                 InputKind::Positions => Val::U(Arc::new(positions.to_vec())),
+                InputKind::AttnPositions => Val::U(Arc::new(attn_positions(step, node.ty.numel())?)),
                 InputKind::SamplingParams => Val::U(Arc::new(step.sampling.to_vec())),
                 InputKind::RecentTokens => {
                     let mut r = step.recent.to_vec();
@@ -296,6 +312,7 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let nkv = g.node(ins[2]).ty.shape[1];
                         let slots = g.node(ins[2]).ty.shape[0];
                         for (t, &pp) in p.u().iter().enumerate() {
+                            // (with attention bounds, the span ends too)
                             if matches!(window, None) && pp as usize >= slots {
                                 return Err(format!("position {pp} (token {t}) exceeds the KV cache of {slots} slots"));
                             }
@@ -312,7 +329,10 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         }
                         let k = &state.caches[&state_key(g, ins[2])];
                         let v = &state.caches[&state_key(g, ins[3])];
-                        ops::attention(q.f(), p.u(), k, v, nq, nkv, d, *scale, *window, &mut out);
+                        let t = node.ty.shape[0];
+                        let (pos, until) = p.u().split_at(t);
+                        let until = if until.is_empty() { pos } else { until };
+                        ops::attention(q.f(), pos, until, k, v, nq, nkv, d, *scale, *window, &mut out);
                         Val::F(Arc::new(out))
                     }
                     Op::Binary { f } => {
@@ -480,6 +500,8 @@ fn norm_rope_heads(
         return Err(format!("inputs of {} not computed as f32 rows and u32 positions", g.node(n).name));
     };
     let shape = &g.node(ins[0]).ty.shape;
+    // the positions (the first row of attention bounds)
+    let pos = &pos[..shape[0]];
     let (h, d) = (heads.map_or(shape[1], |r| r.count), shape[2]);
     let rows = ops::head_range(x, shape, heads);
     let mut xn = vec![0f32; rows.len()];

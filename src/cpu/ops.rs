@@ -98,12 +98,13 @@ pub fn kv_write(x: &[f32], pos: &[u32], row: usize, cache: &mut [f32]) {
 }
 
 /// Attention of `q[T, nq, d]` over caches `k, v[S, nkv, d]` holding absolute
-/// positions at slot `j % S`. Query `t` sees `j <= pos[t]` and, with a window,
-/// `j > pos[t] - window`.
+/// positions at slot `j % S`. Query `t` sees `j <= max(pos[t], until[t])` and, with a
+/// window, `j > pos[t] - window` (`until`: the last position of the query's image span).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
     pos: &[u32],
+    until: &[u32],
     k: &[f32],
     v: &[f32],
     nq: usize,
@@ -115,13 +116,13 @@ pub fn attention(
 ) {
     let slots = k.len() / (nkv * d);
     let group = nq / nkv;
-    for (t, &p) in pos.iter().enumerate() {
-        let p = p as usize;
+    for (t, (&p, &hi)) in pos.iter().zip(until).enumerate() {
+        let (p, hi) = (p as usize, (hi as usize).max(p as usize));
         let lo = match window {
             Some(w) => (p + 1).saturating_sub(w),
             None => 0,
         };
-        let n = p + 1 - lo;
+        let n = hi + 1 - lo;
         let mut sc = vec![0f32; n];
         for h in 0..nq {
             let kh = h / group;

@@ -404,6 +404,10 @@ impl GpuExecutor {
                 InputKind::Tokens if feed_device => {}
                 InputKind::Tokens => q.write_buffer(b, 0, bytemuck::cast_slice(step.tokens)),
                 InputKind::Positions => q.write_buffer(b, 0, bytemuck::cast_slice(step.positions)),
+                InputKind::AttnPositions => {
+                    let v = crate::cpu::exec::attn_positions(step, (b.size() / 4) as usize)?;
+                    q.write_buffer(b, 0, bytemuck::cast_slice(&v));
+                }
                 InputKind::SamplingParams => q.write_buffer(b, 0, bytemuck::cast_slice(&step.sampling)),
                 InputKind::RecentTokens => {
                     let n = (b.size() / 4) as usize;

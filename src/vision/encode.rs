@@ -111,7 +111,7 @@ impl ImageEncoder {
             let soft = match &mut self.runner {
                 Runner::Cpu(w) => exec::run(c, w, &mut CpuState::default(), &step).map_err(Error::Device)?["soft"].f().to_vec(),
                 Runner::Gpu(g) => {
-                    let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false };
+                    let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
                     g.run(key, c, &step, true).map_err(Error::Device)?.logits.ok_or_else(|| Error::Device("no soft tokens read back".into()))?
                 }
             };
@@ -147,6 +147,34 @@ pub struct ImagePrompt {
     pub soft_rows: Vec<f32>,
     /// Per token: the row it takes plus one, 0 for text.
     pub soft_index: Vec<u32>,
+    /// Per token: the index of the last token it attends to within the prompt when image
+    /// spans are bidirectional (Gemma 3): the last of its run of image tokens, else its own.
+    pub span_ends: Vec<u32>,
+}
+
+impl ImagePrompt {
+    /// `span_ends` as absolute positions of a prompt fed from position `p0`.
+    pub fn attend_until(&self, p0: u32) -> Vec<u32> {
+        self.span_ends.iter().map(|&e| p0 + e).collect()
+    }
+}
+
+/// For each token of `ids`, the index of the last token of its run of `image_token`s (HF's
+/// image blocks: each contiguous run is one), else its own index.
+pub fn span_ends(ids: &[u32], image_token: u32) -> Vec<u32> {
+    let mut ends: Vec<u32> = (0..ids.len() as u32).collect();
+    let mut i = ids.len();
+    while i > 0 {
+        i -= 1;
+        if ids[i] == image_token {
+            let end = i as u32;
+            while i > 0 && ids[i - 1] == image_token {
+                i -= 1;
+                ends[i] = end;
+            }
+        }
+    }
+    ends
 }
 
 /// Puts the soft tokens of `images` in order into the placeholder runs of `ids` (every
@@ -176,12 +204,14 @@ pub fn image_prompt(ids: &[u32], image_token: u32, images: &[SoftTokens]) -> Res
             tokens.push(t);
         }
     }
-    Ok(ImagePrompt { tokens, soft_rows: images.iter().flat_map(|s| s.data.iter().copied()).collect(), soft_index })
+    let span_ends = span_ends(ids, image_token);
+    Ok(ImagePrompt { tokens, soft_rows: images.iter().flat_map(|s| s.data.iter().copied()).collect(), soft_index, span_ends })
 }
 
 /// The logits of every position of `ids` (holding each image's placeholder run, in order)
 /// with the soft tokens of `images` in place: the images encoded, the prompt's graph built with
-/// their rows (Gemma 4), run once on `device`. Returns the logits `[T, V]` and V.
+/// their rows (Gemma 3: each image's span attending to itself bidirectionally), run once on
+/// `device`. Returns the logits `[T, V]` and V.
 pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
     let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
     let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
@@ -199,13 +229,14 @@ pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf]
     let (w, _) = cp.load_weights(&g).map_err(|e| e.to_string())?;
     let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;
     let positions: Vec<u32> = (0..t as u32).collect();
-    let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, ..Default::default() };
+    let until = p.attend_until(0);
+    let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, attend_until: &until, ..Default::default() };
     let w = Arc::new(w);
     let logits = match device {
         DeviceKind::Cpu => exec::run(&c, &mut CpuWeights::new(w), &mut CpuState::default(), &step)?["logits"].f().to_vec(),
         DeviceKind::Gpu(b) => {
             let mut g = GpuExecutor::new(b, w, check_nan)?;
-            let key = GraphKey { tokens: t, all_logits: true, sample: false };
+            let key = GraphKey { tokens: t, all_logits: true, sample: false, images: false };
             g.run(key, &c, &step, true)?.logits.ok_or("no logits read back")?
         }
     };

@@ -4,6 +4,7 @@
 pub mod encode;
 pub mod image;
 pub mod processor;
+pub mod prompt;
 pub mod resample;
 
 pub use self::image::{decode_image, load_image, ImageError, RgbImage};

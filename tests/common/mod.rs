@@ -227,7 +227,7 @@ impl<'a> FixtureRun<'a> {
     }
 
     pub fn key(tokens: usize) -> GraphKey {
-        GraphKey { tokens, all_logits: true, sample: false }
+        GraphKey { tokens, all_logits: true, sample: false, images: false }
     }
 
     /// The compiled graph of `tokens` per step (built on first use, as `Model::graph`).

@@ -51,6 +51,8 @@ pub struct Case {
     pub weights: Vec<WeightData>,
     pub tokens: Vec<u32>,
     pub positions: Vec<u32>,
+    /// Per token, the last position it attends to (cases with attention bounds; else empty).
+    pub attend_until: Vec<u32>,
     pub sampling: [u32; 8],
     pub recent: Vec<u32>,
     pub check: Check,
@@ -277,11 +279,11 @@ pub struct Outcome {
 }
 
 fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<'a> {
-    StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent, ..Default::default() }
+    StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent, attend_until: &c.attend_until, ..Default::default() }
 }
 
-const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false };
-const MAIN: GraphKey = GraphKey { tokens: 0, all_logits: false, sample: false };
+const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false, images: false };
+const MAIN: GraphKey = GraphKey { tokens: 0, all_logits: false, sample: false, images: false };
 
 fn cpu_run(c: &Case, main: &Compiled, prelude: Option<&Compiled>) -> Result<Vec<Got>, String> {
     let mut ws = Weights::default();

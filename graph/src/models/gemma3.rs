@@ -18,6 +18,8 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
     // Gemma 3 scales the embedding by bf16(sqrt(H)) whatever the weights' dtype.
     let scale = round_bf16((h as f32).sqrt());
     let mut x = b.op("embed", None, Op::Embed { scale, clamp: None }, &[tokens, emb])?;
+    // image soft tokens unscaled; each image's span attends to itself bidirectionally (HF)
+    x = b.soft_rows(x, o, true)?;
 
     for i in 0..cfg.num_layers {
         let l = Some(i);

@@ -7,8 +7,7 @@
 use crate::builder::{round_bf16, BuildOptions, WeightResolver};
 use crate::config::{LayerType, ModelConfig};
 use crate::ir::{BuildError, Graph};
-use crate::ir::InputKind;
-use crate::ops::{NormScale, Op, TensorType};
+use crate::ops::{NormScale, Op};
 use petgraph::graph::NodeIndex;
 
 use super::{rope_op, B};
@@ -24,12 +23,9 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
 
     let emb = b.w("embed_tokens", None, &[cfg.vocab_size, h], true);
     let mut x = b.op("embed", None, Op::Embed { scale: k_const((h as f32).sqrt()), clamp: None }, &[tokens, emb])?;
-    if o.soft_rows > 0 {
-        // image soft tokens take their rows, unscaled (the PLE projection reads the merged rows)
-        let rows = b.g.input("soft_rows", InputKind::SoftRows, TensorType::f32(&[o.soft_rows, h]));
-        let idx = b.g.input("soft_index", InputKind::SoftIndex, TensorType::u32(&[t]));
-        x = b.op("merge_soft_rows", None, Op::Scatter, &[x, rows, idx])?;
-    }
+    // image soft tokens take their rows, unscaled (the PLE projection reads the merged rows);
+    // E2B/E4B decoders stay causal over them
+    x = b.soft_rows(x, o, false)?;
 
     // Per-layer inputs: [T, L, Pd], one slice per layer.
     let pli = if pd > 0 {

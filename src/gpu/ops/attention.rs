@@ -124,7 +124,9 @@ params_struct! {
         pub slots: u32,
         pub window: u32,
         pub nsplit: u32,
-        pub _pad0: u32,
+        /// 1: the positions binding holds attention bounds `[2, T]` (query `t` sees keys up
+        /// to `pos[T + t]`).
+        pub spans: u32,
         pub scale: f32,
         /// With append: the step's key heads start at head `k_head0` of q's row, its value heads
         /// at `v_head0`.
@@ -170,7 +172,7 @@ impl AttentionKernel {
             slots: slots as u32,
             window: window.unwrap_or(0) as u32,
             nsplit: self.nsplit,
-            _pad0: 0,
+            spans: 0,
             scale,
             k_head0: 0,
             v_head0: 0,
@@ -288,7 +290,8 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 _ => None,
             };
             let k = kernels.attention_with(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(cx.kerr())?;
-            let params = k.params(t, nq, nkv, d, slots, *scale, *window);
+            let mut params = k.params(t, nq, nkv, d, slots, *scale, *window);
+            params.spans = (cx.shape_of(1).len() == 2) as u32;
             let params = append.map_or(params, |(a, _)| params.with_append(a.k.start, a.v.start));
             let p = cx.uni(bytemuck::bytes_of(&params))?;
             let mut extra: Vec<(u32, &wgpu::Buffer)> = vec![];
