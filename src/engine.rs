@@ -60,6 +60,10 @@ pub struct ModelOptions {
     pub cpu_if_software_gpu: bool,
     /// Called with the name of each loading stage as it starts ("reading weights", "uploading").
     pub stage: Option<Box<dyn Fn(&str) + Send + Sync>>,
+    /// Lowers the byte size of one KV-cache buffer below the adapter's binding limit (GPU):
+    /// longer caches are split across buffers ([`crate::gpu::kv`]). For tests of that path;
+    /// never raises the limit (nor does `MARKBASE_MAX_KV_BINDING`, its environment form).
+    pub max_kv_binding: Option<u64>,
 }
 
 impl Default for ModelOptions {
@@ -73,6 +77,7 @@ impl Default for ModelOptions {
             fuse: FuseOptions::all(),
             cpu_if_software_gpu: false,
             stage: None,
+            max_kv_binding: None,
         }
     }
 }
@@ -162,7 +167,9 @@ impl Engine {
                 if let Some(f) = &opts.stage {
                     f("uploading");
                 }
-                Device::Gpu(GpuShared::with_gpu(*gpu, &weights, opts.check_nan, None).map_err(Error::Device)?)
+                let mut shared = GpuShared::with_gpu(*gpu, &weights, opts.check_nan, None).map_err(Error::Device)?;
+                shared.lower_kv_binding(opts.max_kv_binding);
+                Device::Gpu(shared)
             }
         };
         Ok(Arc::new(Engine {
@@ -736,7 +743,8 @@ fn open_device(opts: &ModelOptions, need: &crate::memory::Needs) -> Result<(Open
                 );
                 return Ok((Opened::Cpu, Some(note)));
             }
-            need.fit_gpu(&gpu.info.name, gpu.limits()).map_err(dev)?;
+            let kv_binding = crate::gpu::kv::binding_limit(&gpu, opts.max_kv_binding);
+            need.fit_gpu(&gpu.info.name, gpu.limits(), kv_binding, gpu.info.device_type == "cpu").map_err(dev)?;
             Ok((Opened::Gpu(Box::new(gpu)), None))
         }
     }

@@ -1,6 +1,8 @@
 //! What a model's buffers need, checked against the device before anything is
-//! allocated: each GPU buffer against the adapter's binding and buffer limits, the
-//! CPU's caches against the memory available.
+//! allocated: each intermediate GPU buffer against the adapter's binding and buffer limits,
+//! each KV cache's chunks ([`crate::gpu::kv`]) against what the attention merges, the caches
+//! of the CPU and of software adapters (which allocate host memory) against the memory
+//! available.
 
 use markbase_graph::ir::{Graph, NodeKind};
 use markbase_graph::passes::{compile, PhasePolicy};
@@ -10,8 +12,10 @@ use markbase_graph::passes::{compile, PhasePolicy};
 pub struct Needs {
     /// Every KV-cache buffer together (decode graph states).
     pub kv_bytes: u64,
-    /// The largest KV-cache buffer (one layer's keys or values).
+    /// The largest KV cache (one layer's keys or values).
     pub largest_kv: u64,
+    /// Each KV cache's slots and bytes per slot.
+    pub kv_rows: Vec<(u64, u64)>,
     /// The largest intermediate (pool) buffer of a decode step or a prefill chunk.
     pub largest_pool: u64,
     /// All intermediate buffers of a prefill chunk together.
@@ -44,6 +48,8 @@ impl Needs {
             let node = decode.node(i);
             if let NodeKind::State { .. } = node.kind {
                 let b = bytes(&node.ty.shape);
+                let slots = node.ty.shape.first().copied().unwrap_or(1) as u64;
+                n.kv_rows.push((slots, bytes(node.ty.shape.get(1..).unwrap_or(&[]))));
                 n.kv_bytes = n.kv_bytes.saturating_add(b);
                 n.largest_kv = n.largest_kv.max(b);
             }
@@ -57,21 +63,28 @@ impl Needs {
         Ok(n)
     }
 
-    /// Every buffer within the adapter's largest storage binding and largest buffer.
-    pub fn fit_gpu(&self, adapter: &str, limits: &wgpu::Limits) -> Result<(), String> {
+    /// Every intermediate buffer within the adapter's largest storage binding and largest
+    /// buffer; the KV caches in chunks of at most `kv_binding` bytes (see
+    /// [`crate::gpu::kv::binding_limit`]); with `host_memory` (a software adapter), the caches
+    /// and a prefill chunk's buffers within the memory available.
+    pub fn fit_gpu(&self, adapter: &str, limits: &wgpu::Limits, kv_binding: u64, host_memory: bool) -> Result<(), String> {
         let binding = limits.max_storage_buffer_binding_size as u64;
         let buffer = limits.max_buffer_size;
-        for (size, what) in [(self.largest_kv, "the KV cache of one layer"), (self.largest_pool, "an intermediate buffer")] {
-            for (limit, name) in [(binding, "storage binding"), (buffer, "buffer")] {
-                if size > limit {
-                    return Err(format!(
-                        "{what} needs {}, more than {adapter}'s {} {name} limit: lower --max-context (KV cache in all: {})",
-                        human(size),
-                        human(limit),
-                        human(self.kv_bytes)
-                    ));
-                }
+        for (limit, name) in [(binding, "storage binding"), (buffer, "buffer")] {
+            if self.largest_pool > limit {
+                return Err(format!(
+                    "an intermediate buffer needs {}, more than {adapter}'s {} {name} limit: lower --max-context (KV cache in all: {})",
+                    human(self.largest_pool),
+                    human(limit),
+                    human(self.kv_bytes)
+                ));
             }
+        }
+        if host_memory {
+            self.fit_host()?;
+        }
+        for &(slots, row) in &self.kv_rows {
+            crate::gpu::kv::chunk_slots(slots, row, kv_binding.min(binding).min(buffer)).map_err(|e| format!("{e} (KV cache in all: {})", human(self.kv_bytes)))?;
         }
         Ok(())
     }

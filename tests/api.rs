@@ -113,16 +113,27 @@ fn a_continued_sequence_matches_a_fresh_one() {
 
 #[test]
 fn buffers_are_checked_against_the_device() {
-    let n = Needs { kv_bytes: 4 << 30, largest_kv: 512 << 20, largest_pool: 1 << 20, pool_bytes: 1 << 20 };
+    // one layer's keys: 512 MiB in 4096 slots of 128 KiB
+    let n = Needs { kv_bytes: 4 << 30, largest_kv: 512 << 20, kv_rows: vec![(4096, 128 << 10)], largest_pool: 1 << 20, pool_bytes: 1 << 20 };
     let limits = wgpu::Limits { max_storage_buffer_binding_size: 128 << 20, ..Default::default() };
-    let e = n.fit_gpu("some adapter", &limits).unwrap_err();
-    assert!(e.contains("512 MiB") && e.contains("128 MiB storage binding limit") && e.contains("--max-context"), "{e}");
+    // caches over the binding limit are chunked
+    assert!(n.fit_gpu("some adapter", &limits, 128 << 20, false).is_ok());
+    // unless they need more chunks than the attention merges
+    let e = n.fit_gpu("some adapter", &limits, 1 << 20, false).unwrap_err();
+    assert!(e.contains("512 chunks") && e.contains("--max-context"), "{e}");
     let roomy = wgpu::Limits { max_storage_buffer_binding_size: 1 << 30, max_buffer_size: 1 << 30, ..Default::default() };
-    assert!(n.fit_gpu("some adapter", &roomy).is_ok());
+    assert!(n.fit_gpu("some adapter", &roomy, 1 << 30, false).is_ok());
+    // intermediate buffers are not chunked
+    let big_pool = Needs { largest_pool: 512 << 20, ..n.clone() };
+    let e = big_pool.fit_gpu("some adapter", &limits, 128 << 20, false).unwrap_err();
+    assert!(e.contains("512 MiB") && e.contains("128 MiB storage binding limit") && e.contains("--max-context"), "{e}");
     let small_buffers = wgpu::Limits { max_buffer_size: 256 << 20, ..roomy };
-    assert!(n.fit_gpu("some adapter", &small_buffers).unwrap_err().contains("256 MiB buffer limit"));
-    let huge = Needs { kv_bytes: u64::MAX / 2, ..n };
+    assert!(big_pool.fit_gpu("some adapter", &small_buffers, 1 << 30, false).unwrap_err().contains("256 MiB buffer limit"));
+    let huge = Needs { kv_bytes: u64::MAX / 2, ..n.clone() };
     let e = huge.fit_host().unwrap_err();
     assert!(e.contains("lower --max-context"), "{e}");
+    // a software adapter's caches are host memory
+    let e = huge.fit_gpu("some adapter", &roomy, 1 << 30, true).unwrap_err();
+    assert!(e.contains("memory") && e.contains("lower --max-context"), "{e}");
     assert!(Needs { kv_bytes: 1 << 20, ..n }.fit_host().is_ok());
 }

@@ -232,9 +232,10 @@ fn context_limits_are_errors_in_the_users_terms() {
     let m = big.to_str().unwrap();
     let err = fails_with(&["generate", "-m", m, "--backend", "cpu", "-p", "w1", "--max-context", "2000000000"], "lower --max-context");
     assert!(err.contains("GiB"), "{err}");
-    // no adapter binds one layer's 11.9 GiB of keys (wgpu bindings stay below 4 GiB)
-    let err = fails_with(&["generate", "-m", m, "--backend", "vulkan", "-p", "w1", "--max-context", "50000000"], "limit: lower --max-context");
-    assert!(err.contains("11.9 GiB"), "{err}");
+    // on a GPU the caches are split across bindings: what stops them is memory (host memory on
+    // a software adapter) or the chunks the attention merges, never one binding's limit
+    let err = fails_with(&["generate", "-m", m, "--backend", "vulkan", "-p", "w1", "--max-context", "2000000000"], "lower --max-context");
+    assert!(err.contains("GiB") && !err.contains("binding limit"), "{err}");
     let _ = std::fs::remove_dir_all(big);
 }
 

@@ -104,12 +104,27 @@ fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
         }
         KernelSpec::Embed { .. } => vec![(0, rust::<EmbedParams>())],
         KernelSpec::RmsNorm { .. } => vec![(0, rust::<RmsNormParams>())],
-        KernelSpec::Rope { .. } => vec![(0, rust::<RopeParams>())],
-        KernelSpec::KvWrite => vec![(0, rust::<KvWriteParams>())],
-        KernelSpec::Attention { qrope, .. } => {
+        KernelSpec::Rope { cache, chunk, .. } => {
+            let mut v = vec![(0, rust::<RopeParams>())];
+            if *cache && *chunk {
+                v.push((5, rust::<KvChunkParams>()));
+            }
+            v
+        }
+        KernelSpec::KvWrite { chunk } => {
+            let mut v = vec![(0, rust::<KvWriteParams>())];
+            if *chunk {
+                v.push((4, rust::<KvChunkParams>()));
+            }
+            v
+        }
+        KernelSpec::Attention { qrope, chunk, .. } => {
             let mut v = vec![(0, rust::<AttentionParams>())];
             if qrope.is_some() {
                 v.push((6, rust::<RopeParams>()));
+            }
+            if *chunk {
+                v.push((11, rust::<KvChunkParams>()));
             }
             v
         }
@@ -131,6 +146,7 @@ fn all_params() -> Vec<Layout> {
         rust::<RmsNormParams>(),
         rust::<RopeParams>(),
         rust::<KvWriteParams>(),
+        rust::<KvChunkParams>(),
         rust::<AttentionParams>(),
         rust::<ElementwiseParams>(),
         rust::<RoutingParams>(),

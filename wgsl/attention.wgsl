@@ -35,13 +35,22 @@
 // query head of each kv head writes both at slot pp % S. No workgroup reads that slot from the
 // caches, which are bound read_write; the older slots they read are not written.
 //
+// CHUNK (with SPLIT, without MERGE): k and v are one chunk of caches split across bindings
+// (common.wgsl's KvChunk at binding 11), a dispatch per chunk. The chunk holds ring slots
+// c0..c0 + cn counted from the ring lap of the query's first key lo (c0 < 2 S: a window's keys
+// span two laps at most), i.e. positions ca..ca + cn, ca = lo - lo % S + c0; this dispatch takes
+// those of [lo, pos[t]] (none, for most chunks of a short sequence), cut into the chunk's
+// nsplit parts, written as splits split0.. of the p.nsplit partials the combine merges. Slot j
+// is row j - ca of the chunk.
+//
 // Prelude consts: WG, DPT (= ceil(D / WG): sizes the q tile), QV4 (= ceil(D / 4) rounded
 // for the q tile), QPL
 // (= QV4 / 8: q vec4s per invocation with COOP), NDT (QROPE norm weight dtype).
-// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, MERGE, QROPE, HAS_NW, APPEND.
+// Flags: SUBGROUP, COOP, PREFETCH, SPLIT, MERGE, QROPE, HAS_NW, APPEND, CHUNK.
 // Bindings: 0 params, 1 q [T, nq, D], 2 pos [T], 3 k [S, nkv, D], 4 v [S, nkv, D], 5 out,
 // 6 rope params (QROPE), 7 norm weight (QROPE with a weight), 8 fin [T, nq, D] and 9 a
-// counter per (t, head) (MERGE), 10 the key's norm weight (APPEND with HAS_NW).
+// counter per (t, head) (MERGE), 10 the key's norm weight (APPEND with HAS_NW), 11 the chunk
+// (CHUNK).
 
 struct Params {
     T: u32,
@@ -88,6 +97,10 @@ fn split_out(i: u32, v: vec4<f32>) {
 }
 //#endif
 
+//#if CHUNK
+@group(0) @binding(11) var<uniform> kvc: KvChunk;
+
+//#endif
 var<workgroup> qs: array<vec4<f32>, QV4>;
 
 //#if QROPE
@@ -201,9 +214,19 @@ fn main(
     }
     let hi = workgroupUniformLoad(&wpos);
     let n = hi + 1u - lo;
+//#if CHUNK
+    // the keys of [lo, hi] this chunk holds: r0..r1
+    let ca = lo - lo % p.S + kvc.c0;
+    let r0 = max(lo, ca);
+    let r1 = max(r0, min(hi + 1u, ca + kvc.cn));
+    let chunk = (r1 - r0 + kvc.nsplit - 1u) / kvc.nsplit;
+    let js = min(r0 + sp * chunk, r1);
+    let je = min(js + chunk, r1);
+//#else
     let chunk = (n + p.nsplit - 1u) / p.nsplit;
     let js = min(lo + sp * chunk, hi + 1u);
     let je = min(js + chunk, hi + 1u);
+//#endif
 //#if APPEND
     // this split holds the step's key (uniform: pp from a uniform load)
     let has_cur = js <= pp && pp < je;
@@ -221,8 +244,13 @@ fn main(
     var kp1: array<vec4<f32>, QPL>;
     let ja = js + kg;
     let jb = ja + WG / 8u;
+//#if CHUNK
+    let kba = ((ja - ca) * p.nkv + kh) * D4;
+    let kbb = ((jb - ca) * p.nkv + kh) * D4;
+//#else
     let kba = ((ja % p.S) * p.nkv + kh) * D4;
     let kbb = ((jb % p.S) * p.nkv + kh) * D4;
+//#endif
     for (var i = 0u; i < QPL; i++) {
         let e = c8 + 8u * i;
 //#if APPEND
@@ -299,7 +327,11 @@ fn main(
     workgroupBarrier();
 //#if APPEND
     if has_cur && h % (p.nq / p.nkv) == 0u {
+//#if CHUNK
+        let cb = ((pp - ca) * p.nkv + kh) * D4;
+//#else
         let cb = ((pp % p.S) * p.nkv + kh) * D4;
+//#endif
         for (var i = lid; i < D4; i += WG) {
             kc[cb + i] = kcur[i];
             vc[cb + i] = q[vb + i];
@@ -366,7 +398,11 @@ fn main(
 //#else
             if jk < je {
 //#endif
+//#if CHUNK
+                let kb = ((jk - ca) * p.nkv + kh) * D4;
+//#else
                 let kb = ((jk % p.S) * p.nkv + kh) * D4;
+//#endif
                 for (var i = 0u; i < QPL; i++) {
                     let e = c8 + 8u * i;
                     if e < D4 {
@@ -384,13 +420,21 @@ fn main(
         }
         workgroupBarrier();
         if valid {
+//#if CHUNK
+            slots[lid] = j - ca;
+//#else
             slots[lid] = j % p.S;
+//#endif
             s = ps[lid];
         }
         workgroupBarrier();
 //#else
         if valid {
+//#if CHUNK
+            let slot = j - ca;
+//#else
             let slot = j % p.S;
+//#endif
             slots[lid] = slot;
             let kb = (slot * p.nkv + kh) * D4;
             var a = vec4<f32>(0.0);
@@ -461,7 +505,11 @@ fn main(
         }
     }
 //#if SPLIT
+//#if CHUNK
+    let ob = ((t * p.nq + h) * p.nsplit + kvc.split0 + sp) * (D4 + 1u);
+//#else
     let ob = ((t * p.nq + h) * p.nsplit + sp) * (D4 + 1u);
+//#endif
     if lid < D4 {
         out[ob + dv] = o4;
     }

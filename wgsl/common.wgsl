@@ -15,6 +15,18 @@ var<workgroup> red_f: array<f32, WG>;
 
 const NEG_BIG: f32 = -3.0e38;
 
+//#if CHUNK
+// One chunk of a KV cache split across storage bindings (src/gpu/kv.rs): slots c0..c0 + cn of
+// the cache, bound as rows 0..cn. Attention also takes the splits split0..split0 + nsplit of
+// the partials (and c0 counts from the ring lap of the query's first key: below 2 S).
+struct KvChunk {
+    c0: u32,
+    cn: u32,
+    split0: u32,
+    nsplit: u32,
+}
+
+//#endif
 fn init_ids(lid: u32, sg_lane: u32, sg_id: u32, sg_n: u32) {
     g_lid = lid;
     g_sg_lane = sg_lane;

@@ -1,7 +1,10 @@
 // KV cache write: cache[pos[t] % S, :] = x[t, x_off..x_off + row] (rows of nkv * D floats; x
 // rows of x_ld floats).
 //
-// Prelude consts: WG. Bindings: 0 params, 1 x, 2 pos, 3 cache.
+// CHUNK: cache is one chunk of a cache split across bindings (common.wgsl's KvChunk at binding
+// 4): only the rows of its slots are written.
+//
+// Prelude consts: WG. Flags: CHUNK. Bindings: 0 params, 1 x, 2 pos, 3 cache, 4 chunk (CHUNK).
 
 struct Params {
     T: u32,
@@ -18,6 +21,9 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> pos: array<u32>;
 @group(0) @binding(3) var<storage, read_write> cache: array<f32>;
+//#if CHUNK
+@group(0) @binding(4) var<uniform> kvc: KvChunk;
+//#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -30,6 +36,12 @@ fn main(
         let t = idx / p.row;
         let j = idx % p.row;
         let slot = pos[t] % p.S;
+//#if CHUNK
+        if slot >= kvc.c0 && slot < kvc.c0 + kvc.cn {
+            cache[(slot - kvc.c0) * p.row + j] = x[t * p.x_ld + p.x_off + j];
+        }
+//#else
         cache[slot * p.row + j] = x[t * p.x_ld + p.x_off + j];
+//#endif
     }
 }

@@ -8,10 +8,12 @@
 //
 // NORM: x is first RMS-normed per head row (one workgroup per row): the q/k norms and
 // their RoPE in one pass. CACHE (with NORM): out is a KV cache [S, heads, D]; row (t, h)
-// goes to slot pos[t] % S (k's norm, RoPE and cache write in one pass).
+// goes to slot pos[t] % S (k's norm, RoPE and cache write in one pass). CHUNK (with CACHE): out is
+// one chunk of a cache split across bindings (common.wgsl's KvChunk at binding 5): only the rows
+// of its slots are computed and written.
 //
-// Prelude consts: WG, NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32). Flags: NORM, HAS_NW, CACHE.
-// Bindings: 0 params, 1 x, 2 pos (u32 [T]), 3 out, 4 norm weight (HAS_NW).
+// Prelude consts: WG, NDT (norm weight dtype: 0 bf16, 1 f16, 2 f32). Flags: NORM, HAS_NW, CACHE,
+// CHUNK. Bindings: 0 params, 1 x, 2 pos (u32 [T]), 3 out, 4 norm weight (HAS_NW), 5 chunk (CHUNK).
 
 struct Params {
     T: u32,
@@ -36,6 +38,9 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 //#if HAS_NW
 @group(0) @binding(4) var<storage, read> nw: array<u32>;
+//#endif
+//#if CHUNK
+@group(0) @binding(5) var<uniform> kvc: KvChunk;
 //#endif
 
 // Rotates pair i of the row at b (position ps) from (a0, a1).
@@ -74,7 +79,14 @@ fn main(
     let half = p.D / 2u;
     for (var row = wid.y * nwg.x + wid.x; row < p.T * p.heads; row += nwg.x * nwg.y) {
         let ps = pos[row / p.heads];
-//#if CACHE
+//#if CHUNK
+        // (uniform: the row is the workgroup's)
+        let slot = ps % p.S;
+        if slot < kvc.c0 || slot >= kvc.c0 + kvc.cn {
+            continue;
+        }
+        let b = ((slot - kvc.c0) * p.heads + row % p.heads) * p.D;
+//#elif CACHE
         let b = ((ps % p.S) * p.heads + row % p.heads) * p.D;
 //#else
         let b = row * p.D;

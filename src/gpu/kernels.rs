@@ -32,6 +32,7 @@ pub use super::ops::attention::{attention_splits, AttentionKernel, AttentionPara
 pub use super::ops::copy::{CopyKernel, CopyParams};
 pub use super::ops::elementwise::{ElementwiseKernel, ElementwiseParams};
 pub use super::ops::embed::{EmbedKernel, EmbedParams};
+pub use super::kv::KvChunkParams;
 pub use super::ops::kv_write::{KvWriteKernel, KvWriteParams};
 pub use super::ops::matmul::{
     gemm_ksplit, GatherDims, MatMulDims, MatMulKernel, MatMulParams, GEMM_MIN_T, GEMM_SPLIT_MIN_K, GEMM_SPLIT_WORKGROUPS,
@@ -119,13 +120,17 @@ pub enum KernelSpec {
     /// length, walked in steps).
     RmsNorm { w: Option<FloatType>, res: bool, scalar: Option<FloatType>, steps: u32 },
     /// `norm`: an RMSNorm per head in front (`Op::NormRope`), with its weight's dtype; `cache`:
-    /// rows written to KV cache slots (`Op::KvWriteNormRope`).
-    Rope { norm: Option<Option<FloatType>>, cache: bool },
-    KvWrite,
+    /// rows written to KV cache slots (`Op::KvWriteNormRope`); `chunk` (with `cache`): to one
+    /// chunk of a chunked cache ([`super::kv`]).
+    Rope { norm: Option<Option<FloatType>>, cache: bool, chunk: bool },
+    /// `chunk`: rows written to one chunk of a chunked cache ([`super::kv`]).
+    KvWrite { chunk: bool },
     /// `dpt` output dims per invocation (`ceil(D / 128)`), `split`: partial outputs; `qrope`:
     /// q's RMSNorm (weight dtype) and RoPE in front (`Op::NormRopeAttention`); `merge` (with
-    /// `split`): the last workgroup of each query head to finish merges the partials itself.
-    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>>, merge: bool, append: bool },
+    /// `split`): the last workgroup of each query head to finish merges the partials itself;
+    /// `chunk` (with `split`, not `merge`): the keys of one chunk of chunked caches
+    /// ([`super::kv`]).
+    Attention { dpt: u32, split: bool, qrope: Option<Option<FloatType>>, merge: bool, append: bool, chunk: bool },
     AttnCombine,
     GeGlu,
     Binary { b: FloatType },

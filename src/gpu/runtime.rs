@@ -20,6 +20,7 @@ use markbase_graph::quant::FloatType;
 use crate::cpu::exec::StepInputs;
 use crate::gpu::device::{Backend, Gpu, GpuOptions};
 use crate::gpu::kernels::Kernels;
+use crate::gpu::kv::KvChunks;
 use crate::gpu::ops::{self, Dispatch, LowerCtx, LowerEnv, Lowered};
 use crate::gpu::weights::{upload_vector, upload_weight, GpuWeight};
 use crate::exec::{Executor, GraphKey, StepOutput};
@@ -75,6 +76,8 @@ pub struct GpuShared {
     mats: Arc<HashMap<String, GpuWeight>>,
     vecs: Arc<HashMap<String, (wgpu::Buffer, FloatType)>>,
     check_nan: bool,
+    /// The byte limit of one KV-cache buffer; larger caches are chunked ([`crate::gpu::kv`]).
+    kv_binding: u64,
 }
 
 impl GpuShared {
@@ -107,7 +110,14 @@ impl GpuShared {
                 vecs.insert(name.clone(), upload_vector(&gpu, &w.weight, name).map_err(err)?);
             }
         }
-        Ok(GpuShared { gpu, kernels, mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan })
+        let kv_binding = crate::gpu::kv::binding_limit(&gpu, None);
+        Ok(GpuShared { gpu, kernels, mats: Arc::new(mats), vecs: Arc::new(vecs), check_nan, kv_binding })
+    }
+
+    /// Lowers the byte limit of the sessions' KV-cache buffers below the adapter's binding
+    /// limit (tests of the chunked caches); never raises it.
+    pub fn lower_kv_binding(&mut self, bytes: Option<u64>) {
+        self.kv_binding = crate::gpu::kv::binding_limit(&self.gpu, bytes);
     }
 }
 
@@ -118,9 +128,10 @@ pub struct GpuExecutor {
     pub kernels: Arc<Kernels>,
     mats: Arc<HashMap<String, GpuWeight>>,
     vecs: Arc<HashMap<String, (wgpu::Buffer, FloatType)>>,
-    states: HashMap<StateKind, wgpu::Buffer>,
+    states: HashMap<StateKind, KvChunks>,
     prepared: HashMap<GraphKey, Prepared>,
     check_nan: bool,
+    kv_binding: u64,
     /// Profiling of the following steps.
     pub profile: Profile,
     /// GPU times of the last profiled step.
@@ -159,6 +170,7 @@ impl GpuExecutor {
             states: HashMap::new(),
             prepared: HashMap::new(),
             check_nan: s.check_nan,
+            kv_binding: s.kv_binding,
             profile: Profile::Off,
             profiled: ProfileResult::default(),
             last: StepStats::default(),
@@ -171,13 +183,23 @@ impl GpuExecutor {
         self.gpu.info.summary()
     }
 
-    fn state_buffer(&mut self, kind: &StateKind, bytes: u64) -> Result<wgpu::Buffer, String> {
+    /// The buffers of state `kind` of `shape` (`[slots, kv_heads, head_dim]`), allocated on
+    /// first use: chunked where one buffer would exceed the KV binding limit.
+    fn state_buffer(&mut self, kind: &StateKind, shape: &[usize]) -> Result<KvChunks, String> {
         if let Some(b) = self.states.get(kind) {
             return Ok(b.clone());
         }
-        let b = self.gpu.try_storage(&state_purpose(kind), bytes).map_err(|e| format!("{e}: lower --max-context"))?;
+        let slots = shape.first().copied().unwrap_or(1);
+        let row = shape.iter().skip(1).product::<usize>() * 4;
+        let b = KvChunks::alloc(&self.gpu, &state_purpose(kind), slots, row, self.kv_binding)?;
         self.states.insert(kind.clone(), b.clone());
         Ok(b)
+    }
+
+    /// Lowers the byte limit of this sequence's KV-cache buffers (before its first step; see
+    /// [`GpuShared::lower_kv_binding`]).
+    pub fn lower_kv_binding(&mut self, bytes: Option<u64>) {
+        self.kv_binding = crate::gpu::kv::binding_limit(&self.gpu, bytes).min(self.kv_binding);
     }
 
     fn prepare(&mut self, c: &Compiled) -> Result<Prepared, String> {
@@ -192,7 +214,7 @@ impl GpuExecutor {
             .map_err(err)?;
         let mut inputs = HashMap::new();
         let mut input_bufs: HashMap<u32, wgpu::Buffer> = HashMap::new();
-        let mut state_bufs: HashMap<u32, wgpu::Buffer> = HashMap::new();
+        let mut state_bufs: HashMap<u32, KvChunks> = HashMap::new();
         for n in g.g.node_indices() {
             let node = g.node(n);
             match &node.kind {
@@ -202,7 +224,7 @@ impl GpuExecutor {
                     input_bufs.insert(node.id, b);
                 }
                 NodeKind::State { state } => {
-                    let b = self.state_buffer(state, node.ty.bytes() as u64)?;
+                    let b = self.state_buffer(state, &node.ty.shape)?;
                     state_bufs.insert(node.id, b);
                 }
                 _ => {}
@@ -213,11 +235,22 @@ impl GpuExecutor {
             match c.alloc.storage[n.index()] {
                 Storage::Pool(b) => Ok(pool[b as usize].clone()),
                 Storage::Input(id) => input_bufs.get(&id).cloned().ok_or_else(|| format!("input {id} has no buffer")),
-                Storage::State(id) => state_bufs.get(&id).cloned().ok_or_else(|| format!("state {id} has no buffer")),
+                Storage::State(id) => match state_bufs.get(&id) {
+                    Some(c) if c.chunked() => Err(format!("state {id} is split across {} buffers", c.bufs.len())),
+                    Some(c) => Ok(c.bufs[0].clone()),
+                    None => Err(format!("state {id} has no buffer")),
+                },
                 Storage::Weight(_) => Err(format!("node {} is a weight, not a value", g.node(n).name)),
             }
         };
-        let env = LowerEnv { gpu: &self.gpu, kernels: &self.kernels, graph: g, mats: &self.mats, vecs: &self.vecs, values: &buf };
+        // The chunks of a chunked KV cache.
+        let chunks = |n: NodeIndex| -> Option<KvChunks> {
+            match c.alloc.storage[n.index()] {
+                Storage::State(id) => state_bufs.get(&id).filter(|c| c.chunked()).cloned(),
+                _ => None,
+            }
+        };
+        let env = LowerEnv { gpu: &self.gpu, kernels: &self.kernels, graph: g, mats: &self.mats, vecs: &self.vecs, values: &buf, chunks: &chunks };
         let mut acc = Lowered::default();
         let mut phases: Vec<Vec<Dispatch>> = vec![];
         for ph in &c.schedule.phases {
@@ -272,8 +305,12 @@ impl GpuExecutor {
     /// The contents of state `kind` (a KV cache) as f32 values, after the steps in flight.
     pub fn read_state(&mut self, kind: &StateKind) -> Result<Vec<f32>, String> {
         self.drain()?;
-        let b = self.states.get(kind).ok_or_else(|| format!("no state {kind:?}"))?.clone();
-        self.gpu.read_f32(&b, (b.size() / 4) as usize).map_err(err)
+        let s = self.states.get(kind).ok_or_else(|| format!("no state {kind:?}"))?.clone();
+        let mut v = vec![];
+        for b in &s.bufs {
+            v.extend(self.gpu.read_f32(b, (b.size() / 4) as usize).map_err(err)?);
+        }
+        Ok(v)
     }
 
     fn make_queries(&self, p: &Prepared, level: Profile) -> Result<Option<Queries>, String> {
@@ -311,7 +348,7 @@ impl GpuExecutor {
     /// next step's submission fails validation (tests of the device-error path).
     #[doc(hidden)]
     pub fn destroy_states(&self) {
-        for b in self.states.values() {
+        for b in self.states.values().flat_map(|s| &s.bufs) {
             b.destroy();
         }
     }

@@ -1,5 +1,6 @@
 //! Attention (`attention.wgsl`), optionally split over the keys with the partials merged in
-//! the pass (`split_merge.wgsl`) or by a combine dispatch (`attn_combine.wgsl`).
+//! the pass (`split_merge.wgsl`) or by a combine dispatch (`attn_combine.wgsl`); over chunked
+//! caches a dispatch per chunk and ring lap, merged by the combine (see [`crate::gpu::kv`]).
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use markbase_graph::ops::{NormScale, Op};
 use markbase_graph::quant::FloatType;
 
 use crate::gpu::device::{Gpu, GpuError};
+use crate::gpu::kv::MAX_KV_PARTS;
 use crate::gpu::kernels::{div_ceil, dt_code, env_on, params_struct, COMMON, Kernel, KernelSpec, Kernels};
 use crate::gpu::ops::rope::{check_pairs, RopeParams};
 use crate::gpu::shader::Source;
@@ -26,12 +28,13 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::Attention { dpt, split, qrope, merge, append } => format!(
-            "attention[dpt{dpt}{}{}{}{}]",
+        KernelSpec::Attention { dpt, split, qrope, merge, append, chunk } => format!(
+            "attention[dpt{dpt}{}{}{}{}{}]",
             if *split { " split" } else { "" },
             if *split && *merge { " merge" } else { "" },
             qrope.map_or(String::new(), |w| format!(" norm_rope[{}]", w.map_or("none", |t| t.name()))),
-            if *append { " append" } else { "" }
+            if *append { " append" } else { "" },
+            if *chunk { " chunk" } else { "" }
         ),
         KernelSpec::AttnCombine => "attn_combine".into(),
         _ => return None,
@@ -40,7 +43,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::Attention { dpt, split, qrope, merge, append } => {
+        KernelSpec::Attention { dpt, split, qrope, merge, append, chunk } => {
             let coop = sg && env_on("MARKBASE_ATTN_COOP");
             let files: &[&'static str] = if split && merge { &[COMMON, SPLIT_MERGE, ATTENTION] } else { &[COMMON, ATTENTION] };
             Source::new(files)
@@ -51,6 +54,7 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .c("NDT", qrope.flatten().map_or(2, dt_code))
                 .flag("SPLIT", split)
                 .flag("MERGE", split && merge)
+                .flag("CHUNK", chunk)
                 .flag("QROPE", qrope.is_some())
                 .flag("APPEND", append && qrope.is_some())
                 .flag("HAS_NW", qrope.flatten().is_some())
@@ -67,10 +71,12 @@ fn variants() -> Vec<KernelSpec> {
     let mut v = Vec::new();
     for dpt in [1, 2, 4] {
         for split in [false, true] {
-            v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false, append: false });
-            v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: false });
-            v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: true });
+            v.push(KernelSpec::Attention { dpt, split, qrope: None, merge: false, append: false, chunk: false });
+            v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: false, chunk: false });
+            v.push(KernelSpec::Attention { dpt, split, qrope: Some(Some(FloatType::Bf16)), merge: split, append: true, chunk: false });
         }
+        v.push(KernelSpec::Attention { dpt, split: true, qrope: None, merge: false, append: false, chunk: true });
+        v.push(KernelSpec::Attention { dpt, split: true, qrope: Some(Some(FloatType::Bf16)), merge: false, append: true, chunk: true });
     }
     v.push(KernelSpec::AttnCombine);
     v
@@ -95,23 +101,38 @@ impl Kernels {
     /// [`Kernels::attention_with`] with `merge` given: split partials merged by the last
     /// workgroup of each head (see [`KernelOptions::merge_splits`]) or by a combine dispatch.
     pub fn attention_full(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, merge: bool, append: bool) -> Result<AttentionKernel, GpuError> {
-        if append && qrope.is_none() {
-            return Err(GpuError::Kernel { name: "attention".into(), msg: "appending the step's key needs q's norm and RoPE in the pass".into() });
-        }
-        if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
-            return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
-        }
-        let dpt = div_ceil(d, ATTN_WG as usize) as u32;
-        // the merge (in the pass or by the combine) weighs a split per invocation
-        if nsplit > ATTN_WG as usize {
-            return Err(GpuError::Kernel { name: "attention".into(), msg: format!("{nsplit} splits (at most {ATTN_WG})") });
-        }
+        let dpt = attention_dpt(d, nsplit, qrope, append)?;
         let split = nsplit > 1;
         let merge = split && merge;
-        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge, append })?;
+        let kernel = self.get(KernelSpec::Attention { dpt, split, qrope, merge, append, chunk: false })?;
         let combine = if split && !merge { Some(self.get(KernelSpec::AttnCombine)?) } else { None };
         Ok(AttentionKernel { kernel, combine, nsplit: nsplit.max(1) as u32 })
     }
+
+    /// Attention over chunked caches ([`crate::gpu::kv`]): a dispatch per chunk and ring lap,
+    /// each writing its share of the `nsplit` partials (its [`crate::gpu::kv::KvChunkParams`]
+    /// at binding 11), and the combine.
+    pub fn attention_chunked(&self, d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, append: bool) -> Result<AttentionKernel, GpuError> {
+        let dpt = attention_dpt(d, nsplit, qrope, append)?;
+        let kernel = self.get(KernelSpec::Attention { dpt, split: true, qrope, merge: false, append, chunk: true })?;
+        Ok(AttentionKernel { kernel, combine: Some(self.get(KernelSpec::AttnCombine)?), nsplit: nsplit.max(2) as u32 })
+    }
+}
+
+/// The output dims per invocation of head dim `d`, or why the kernel cannot take `d`, `nsplit`
+/// splits or the append.
+fn attention_dpt(d: usize, nsplit: usize, qrope: Option<Option<FloatType>>, append: bool) -> Result<u32, GpuError> {
+    if append && qrope.is_none() {
+        return Err(GpuError::Kernel { name: "attention".into(), msg: "appending the step's key needs q's norm and RoPE in the pass".into() });
+    }
+    if d == 0 || d % 4 != 0 || d > MAX_HEAD_DIM {
+        return Err(GpuError::Kernel { name: "attention".into(), msg: format!("head dim {d} (must be a multiple of 4, <= 512)") });
+    }
+    // the merge (in the pass or by the combine) weighs a split per invocation
+    if nsplit > ATTN_WG as usize {
+        return Err(GpuError::Kernel { name: "attention".into(), msg: format!("{nsplit} splits (at most {ATTN_WG})") });
+    }
+    Ok(div_ceil(d, ATTN_WG as usize) as u32)
 }
 
 params_struct! {
@@ -289,7 +310,30 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 }
                 _ => None,
             };
-            let k = kernels.attention_with(d, attention_splits(slots, nq, t), qdt, append.is_some()).map_err(cx.kerr())?;
+            let chunks = match (cx.kv_chunks(cx.ins[2]), cx.kv_chunks(cx.ins[3])) {
+                (None, None) => None,
+                (Some(kc), Some(vc)) if kc.same_layout(&vc) => Some((kc, vc)),
+                _ => return Err(cx.fail("keys and values chunked differently")),
+            };
+            // chunked caches: a dispatch per chunk and ring lap (a window's keys span two laps)
+            // and their splits, merged by the combine
+            let laps = if window.is_some() { 2 } else { 1 };
+            let (nsplit, per_part) = match &chunks {
+                None => (attention_splits(slots, nq, t), 1),
+                Some((kc, _)) => {
+                    let parts = laps * kc.bufs.len();
+                    if parts > MAX_KV_PARTS {
+                        return Err(cx.fail(format!("{parts} chunks of its KV cache, more than the {MAX_KV_PARTS} the merge takes: lower --max-context")));
+                    }
+                    let per = attention_splits(kc.chunk_slots, nq, t).min(MAX_KV_PARTS / parts).max(1);
+                    (parts * per, per)
+                }
+            };
+            let k = match chunks {
+                None => kernels.attention_with(d, nsplit, qdt, append.is_some()),
+                Some(_) => kernels.attention_chunked(d, nsplit, qdt, append.is_some()),
+            }
+            .map_err(cx.kerr())?;
             let mut params = k.params(t, nq, nkv, d, slots, *scale, *window);
             params.spans = (cx.shape_of(1).len() == 2) as u32;
             let params = append.map_or(params, |(a, _)| params.with_append(a.k.start, a.v.start));
@@ -308,6 +352,24 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             if let Some(sc) = &sc {
                 cx.acc.scratch.push(sc.partials.clone());
                 cx.acc.scratch.extend(sc.counters.clone());
+            }
+            if let Some((kc, vc)) = &chunks {
+                let sc = sc.as_ref().ok_or_else(|| cx.fail("chunked attention without partials"))?;
+                let (q, pos, out) = (cx.input(0)?, cx.input(1)?, cx.out()?);
+                for lap in 0..laps {
+                    for c in 0..kc.bufs.len() {
+                        let split0 = (lap * kc.bufs.len() + c) * per_part;
+                        let cp = cx.uni(bytemuck::bytes_of(&kc.params(c, lap, split0, per_part)))?;
+                        let mut b = vec![(0, &p), (1, &q), (2, &pos), (3, &kc.bufs[c]), (4, &vc.bufs[c]), (5, &sc.partials), (11, &cp)];
+                        b.extend_from_slice(&extra);
+                        let bg = k.kernel.bind_buffers(dev, &b);
+                        cx.push(k.kernel.clone(), bg, [nq as u32, t as u32, per_part as u32]);
+                    }
+                }
+                let ck = k.combine.as_ref().ok_or_else(|| cx.fail("chunked attention without its combine"))?;
+                let bg = ck.bind_buffers(dev, &[(0, &p), (1, &sc.partials), (2, &out)]);
+                cx.push(ck.clone(), bg, [nq as u32, t as u32, 1]);
+                return Ok(());
             }
             let (a, b) = k.bind_groups(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.input(2)?, &cx.input(3)?, &cx.out()?, sc.as_ref(), &extra);
             cx.push(k.kernel.clone(), a, [nq as u32, t as u32, k.nsplit]);

@@ -16,25 +16,32 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::KvWrite => "kv_write".into(),
+        KernelSpec::KvWrite { chunk: false } => "kv_write".into(),
+        KernelSpec::KvWrite { chunk: true } => "kv_write[chunk]".into(),
         _ => return None,
     })
 }
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::KvWrite => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG),
+        KernelSpec::KvWrite { chunk } => Source::new(&[COMMON, KV_WRITE]).c("WG", ELEM_WG).flag("CHUNK", chunk),
         _ => return None,
     })
 }
 
 fn variants() -> Vec<KernelSpec> {
-    vec![KernelSpec::KvWrite]
+    vec![KernelSpec::KvWrite { chunk: false }, KernelSpec::KvWrite { chunk: true }]
 }
 
 impl Kernels {
     pub fn kv_write(&self) -> Result<KvWriteKernel, GpuError> {
-        Ok(KvWriteKernel { kernel: self.get(KernelSpec::KvWrite)?, maxg: self.maxg() })
+        Ok(KvWriteKernel { kernel: self.get(KernelSpec::KvWrite { chunk: false })?, maxg: self.maxg() })
+    }
+
+    /// The KV write to one chunk of a chunked cache (its [`crate::gpu::kv::KvChunkParams`] at
+    /// binding 4).
+    pub fn kv_write_chunk(&self) -> Result<KvWriteKernel, GpuError> {
+        Ok(KvWriteKernel { kernel: self.get(KernelSpec::KvWrite { chunk: true })?, maxg: self.maxg() })
     }
 }
 
@@ -87,8 +94,19 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let x_off = heads.map_or(0, |r| r.start * xs[2]);
             let k = kernels.kv_write().map_err(cx.kerr())?;
             let p = cx.uni(bytemuck::bytes_of(&k.params_strided(xs[0], row, slots, xs[1] * xs[2], x_off)))?;
-            let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?);
-            cx.push(k.kernel.clone(), bg, k.groups(xs[0], row));
+            let Some(ch) = cx.kv_chunks(cx.n) else {
+                let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?);
+                cx.push(k.kernel.clone(), bg, k.groups(xs[0], row));
+                return Ok(());
+            };
+            // a dispatch per chunk, each writing the rows of its slots
+            let kc = kernels.kv_write_chunk().map_err(cx.kerr())?;
+            let (x, pos) = (cx.input(0)?, cx.input(1)?);
+            for c in 0..ch.bufs.len() {
+                let cp = cx.uni(bytemuck::bytes_of(&ch.params(c, 0, 0, 1)))?;
+                let bg = kc.kernel.bind_buffers(dev, &[(0, &p), (1, &x), (2, &pos), (3, &ch.bufs[c]), (4, &cp)]);
+                cx.push(kc.kernel.clone(), bg, kc.groups(xs[0], row));
+            }
         }
         _ => return Err(cx.not_ours("kv_write")),
     }

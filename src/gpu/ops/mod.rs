@@ -12,6 +12,7 @@ use markbase_graph::ops::Op;
 use markbase_graph::quant::FloatType;
 
 use super::device::{Gpu, GpuError};
+use super::kv::KvChunks;
 use super::kernels::{Kernel, KernelSpec, Kernels};
 use super::shader::Source;
 use super::weights::GpuWeight;
@@ -73,6 +74,9 @@ pub(crate) struct LowerEnv<'a> {
     pub vecs: &'a HashMap<String, (wgpu::Buffer, FloatType)>,
     /// The buffer holding a node's value.
     pub values: &'a dyn Fn(NodeIndex) -> Result<wgpu::Buffer, String>,
+    /// The chunks of a node's value, where it is a KV cache split across bindings
+    /// ([`super::kv`]); `None` for every other value.
+    pub chunks: &'a dyn Fn(NodeIndex) -> Option<KvChunks>,
 }
 
 /// What lowering a graph produces besides its bind groups.
@@ -106,6 +110,7 @@ pub(crate) struct LowerCtx<'a> {
     mats: &'a HashMap<String, GpuWeight>,
     vecs: &'a HashMap<String, (wgpu::Buffer, FloatType)>,
     values: &'a dyn Fn(NodeIndex) -> Result<wgpu::Buffer, String>,
+    chunks: &'a dyn Fn(NodeIndex) -> Option<KvChunks>,
     pub acc: &'a mut Lowered,
     pub n: NodeIndex,
     pub node: &'a Node,
@@ -125,6 +130,7 @@ impl<'a> LowerCtx<'a> {
             mats: env.mats,
             vecs: env.vecs,
             values: env.values,
+            chunks: env.chunks,
             acc,
             n,
             node,
@@ -140,6 +146,11 @@ impl<'a> LowerCtx<'a> {
     /// The buffer of node `n`'s value.
     pub fn buf(&self, n: NodeIndex) -> Result<wgpu::Buffer, String> {
         (self.values)(n)
+    }
+
+    /// The chunks of node `n`'s value where it is a chunked KV cache ([`super::kv`]).
+    pub fn kv_chunks(&self, n: NodeIndex) -> Option<KvChunks> {
+        (self.chunks)(n)
     }
 
     /// The buffer of input `i`'s value.

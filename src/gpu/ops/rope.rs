@@ -21,18 +21,24 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
         KernelSpec::Rope { norm: None, .. } => "rope".into(),
-        KernelSpec::Rope { norm: Some(w), cache } => format!("norm_rope[{}{}]", w.map_or("none", |t| t.name()), if *cache { " cache" } else { "" }),
+        KernelSpec::Rope { norm: Some(w), cache, chunk } => format!(
+            "norm_rope[{}{}{}]",
+            w.map_or("none", |t| t.name()),
+            if *cache { " cache" } else { "" },
+            if *cache && *chunk { " chunk" } else { "" }
+        ),
         _ => return None,
     })
 }
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::Rope { norm, cache } => Source::new(&[COMMON, ROPE])
+        KernelSpec::Rope { norm, cache, chunk } => Source::new(&[COMMON, ROPE])
             .c("WG", 64)
             .c("NDT", norm.flatten().map_or(2, dt_code))
             .flag("NORM", norm.is_some())
             .flag("CACHE", cache && norm.is_some())
+            .flag("CHUNK", chunk && cache && norm.is_some())
             .flag("HAS_NW", norm.flatten().is_some()),
         _ => return None,
     })
@@ -40,23 +46,30 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
 
 fn variants() -> Vec<KernelSpec> {
     vec![
-        KernelSpec::Rope { norm: None, cache: false },
-        KernelSpec::Rope { norm: Some(None), cache: false },
-        KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: false },
-        KernelSpec::Rope { norm: Some(Some(FloatType::F32)), cache: false },
-        KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: true },
+        KernelSpec::Rope { norm: None, cache: false, chunk: false },
+        KernelSpec::Rope { norm: Some(None), cache: false, chunk: false },
+        KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: false, chunk: false },
+        KernelSpec::Rope { norm: Some(Some(FloatType::F32)), cache: false, chunk: false },
+        KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: true, chunk: false },
+        KernelSpec::Rope { norm: Some(Some(FloatType::Bf16)), cache: true, chunk: true },
     ]
 }
 
 impl Kernels {
     /// `norm`: an RMSNorm per head in front, with its weight's dtype (`Some(None)`: no weight).
     pub fn rope(&self, norm: Option<Option<FloatType>>) -> Result<RopeKernel, GpuError> {
-        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm, cache: false })?, norm: norm.is_some(), maxg: self.maxg() })
+        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm, cache: false, chunk: false })?, norm: norm.is_some(), maxg: self.maxg() })
     }
 
     /// `Op::KvWriteNormRope`: the norm-rope kernel writing rows to cache slots (binding 3 the cache).
     pub fn rope_to_cache(&self, norm: Option<FloatType>) -> Result<RopeKernel, GpuError> {
-        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm: Some(norm), cache: true })?, norm: true, maxg: self.maxg() })
+        self.rope_to_cache_chunk(norm, false)
+    }
+
+    /// [`Kernels::rope_to_cache`]; `chunk`: to one chunk of a chunked cache (its
+    /// [`crate::gpu::kv::KvChunkParams`] at binding 5).
+    pub fn rope_to_cache_chunk(&self, norm: Option<FloatType>, chunk: bool) -> Result<RopeKernel, GpuError> {
+        Ok(RopeKernel { kernel: self.get(KernelSpec::Rope { norm: Some(norm), cache: true, chunk })?, norm: true, maxg: self.maxg() })
     }
 }
 
@@ -200,15 +213,30 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             check_pairs(cx, *rotary_pairs)?;
             let xs = cx.shape_of(0);
             let t = xs[0];
-            let k = kernels.rope_to_cache(cx.norm_w()?.map(|v| v.1)).map_err(cx.kerr())?;
+            let chunks = cx.kv_chunks(cx.n);
+            let k = kernels.rope_to_cache_chunk(cx.norm_w()?.map(|v| v.1), chunks.is_some()).map_err(cx.kerr())?;
             let p = cx.uni(bytemuck::bytes_of(
                 &k.params(t, s[1], s[2], *theta, *factor, *rotary_pairs)
                     .with_norm(Some((*scale, *eps)))
                     .with_heads(xs[1], heads.map_or(0, |r| r.start))
                     .with_slots(s[0]),
             ))?;
-            let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?, cx.norm_w()?.map(|v| &v.0));
-            cx.push(k.kernel.clone(), bg, k.groups(t, s[1], s[2]));
+            let Some(ch) = chunks else {
+                let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.out()?, cx.norm_w()?.map(|v| &v.0));
+                cx.push(k.kernel.clone(), bg, k.groups(t, s[1], s[2]));
+                return Ok(());
+            };
+            // a dispatch per chunk, each writing the rows of its slots
+            let (x, pos) = (cx.input(0)?, cx.input(1)?);
+            for c in 0..ch.bufs.len() {
+                let cp = cx.uni(bytemuck::bytes_of(&ch.params(c, 0, 0, 1)))?;
+                let mut b = vec![(0, &p), (1, &x), (2, &pos), (3, &ch.bufs[c]), (5, &cp)];
+                if let Some((w, _)) = cx.norm_w()? {
+                    b.push((4, w));
+                }
+                let bg = k.kernel.bind_buffers(dev, &b);
+                cx.push(k.kernel.clone(), bg, k.groups(t, s[1], s[2]));
+            }
         }
         _ => return Err(cx.not_ours("rope")),
     }
