@@ -41,11 +41,19 @@ struct FuseArgs {
     /// attention_rope, geglu, kv_append.
     #[arg(long, value_name = "RULES", num_args = 0..=1, require_equals = true, default_missing_value = "all")]
     no_fuse: Option<String>,
+    /// Prefill GEMMs in f32 on the shader cores, not in f16 tiles on cooperative matrices
+    /// (tensor cores) where the adapter has them (the same as MARKBASE_COOP=0).
+    #[arg(long)]
+    no_coop: bool,
 }
 
 impl FuseArgs {
-    /// The fusion rules left on (all without the flag).
+    /// The fusion rules left on (all without the flag); `--no-coop` takes effect here, for the
+    /// devices opened after it.
     fn options(&self) -> Result<markbase::graph::FuseOptions, String> {
+        if self.no_coop {
+            std::env::set_var("MARKBASE_COOP", "0");
+        }
         self.no_fuse.as_deref().map_or(Ok(markbase::graph::FuseOptions::all()), |rules| {
             markbase::graph::FuseOptions::without(rules).map_err(|e| format!("--no-fuse: {e}"))
         })

@@ -12,12 +12,15 @@ use markbase::cpu::ops as cpu;
 use markbase::gpu::device::Gpu;
 use markbase::gpu::kernels::*;
 use markbase::gpu::weights::{upload_weight, GpuFormat, GpuWeight};
-use markbase::graph::ir::WeightParam;
 use markbase::graph::ops::{BinaryOp, HeadRange, NormScale, UnaryOp};
-use markbase::graph::quant::{FloatType, QuantMode, QuantSpec, WeightFormat};
-use markbase::weights::{RawDType, RawTensor, WeightData};
+use markbase::graph::quant::FloatType;
+use markbase::weights::RawTensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+#[path = "common/kernel_data.rs"]
+mod kernel_data;
+use kernel_data::*;
 
 struct Env {
     gpu: Gpu,
@@ -30,9 +33,9 @@ fn env() -> &'static Env {
     ENV.get_or_init(|| {
         let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
         println!("adapter: {}", gpu.info.summary());
-        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All, half_blocks: true, merge_splits: false }).unwrap())];
+        let mut variants = vec![("plain", Kernels::new(&gpu, KernelOptions { subgroups: false, checks: ShaderChecks::All, half_blocks: true, merge_splits: false, coop: markbase::gpu::ops::gemm_f16::CoopMode::Off }).unwrap())];
         if gpu.info.subgroups && gpu.info.subgroup_min_size >= 8 {
-            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All, half_blocks: true, merge_splits: false }).unwrap()));
+            variants.push(("subgroup", Kernels::new(&gpu, KernelOptions { subgroups: true, checks: ShaderChecks::All, half_blocks: true, merge_splits: false, coop: markbase::gpu::ops::gemm_f16::CoopMode::Off }).unwrap()));
         } else {
             println!("adapter has no subgroups (of 8 invocations or more): only the subgroup-free path runs");
         }
@@ -40,158 +43,7 @@ fn env() -> &'static Env {
     })
 }
 
-/// Seed of the randomized kernel cases unless `MARKBASE_TEST_SEED` replays another.
-const DEFAULT_SEED: u64 = 0x6d61_726b_6261_7365;
-
-fn rng(test: &str) -> StdRng {
-    let seed = match std::env::var("MARKBASE_TEST_SEED") {
-        Ok(s) => s.parse().unwrap_or_else(|_| panic!("MARKBASE_TEST_SEED={s} is not a u64")),
-        Err(_) => DEFAULT_SEED,
-    };
-    println!("{test}: seed {seed} (MARKBASE_TEST_SEED={seed} replays it)");
-    StdRng::seed_from_u64(seed)
-}
-
-fn randn(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| r.gen_range(-amp..amp)).collect()
-}
-
-/// Encodes `f` into one compute pass, submits, waits.
-fn run(gpu: &Gpu, f: impl FnOnce(&mut wgpu::ComputePass<'_>)) {
-    let mut enc = gpu.device.create_command_encoder(&Default::default());
-    {
-        let mut pass = enc.begin_compute_pass(&Default::default());
-        f(&mut pass);
-    }
-    gpu.queue.submit([enc.finish()]);
-    gpu.wait().unwrap();
-}
-
-fn check_tol(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let mut worst = (0usize, 0f32);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let e = (g - w).abs();
-        if e.is_nan() || e > worst.1 {
-            worst = (i, if e.is_nan() { f32::INFINITY } else { e });
-        }
-    }
-    let tol = rel * scale + abs;
-    assert!(
-        worst.1 <= tol,
-        "{what}: max err {} at {} (gpu {} cpu {}), tolerance {tol} (max|ref| {scale})",
-        worst.1,
-        worst.0,
-        got[worst.0],
-        want[worst.0]
-    );
-}
-
-fn check(what: &str, got: &[f32], want: &[f32]) {
-    check_tol(what, got, want, 1e-4, 1e-5);
-}
-
 // ------------------------------------------------------------------ weights
-
-fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| ((x.to_bits() + 0x8000) >> 16).to_le_bytes()[..2].to_vec()).collect()
-}
-
-fn float_tensor(t: FloatType, shape: &[usize], v: &[f32]) -> RawTensor {
-    let (dtype, bytes) = match t {
-        FloatType::F32 => (RawDType::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        FloatType::Bf16 => (RawDType::Bf16, bf16_bytes(v)),
-        FloatType::F16 => (RawDType::F16, v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect()),
-    };
-    RawTensor { dtype, shape: shape.to_vec(), bytes }
-}
-
-/// A random weight of float shape `shape` in format `fmt`.
-fn random_weight(r: &mut StdRng, fmt: GpuFormat, shape: &[usize]) -> WeightData {
-    let k = *shape.last().unwrap();
-    let rows: usize = shape[..shape.len() - 1].iter().product();
-    let lead = &shape[..shape.len() - 1];
-    let with_last = |n: usize| {
-        let mut s = lead.to_vec();
-        s.push(n);
-        s
-    };
-    let (format, weight, scales, biases, global_scale) = match fmt {
-        GpuFormat::Float(t) => {
-            let v = randn(r, rows * k, 1.0);
-            (WeightFormat::Float { dtype: t }, float_tensor(t, shape, &v), None, None, None)
-        }
-        _ => {
-            let (mode, bits, group) = match fmt {
-                GpuFormat::Affine { bits, group, .. } => (QuantMode::Affine, bits as usize, group as usize),
-                GpuFormat::Mxfp4 => (QuantMode::Mxfp4, 4, 32),
-                GpuFormat::Mxfp8 => (QuantMode::Mxfp8, 8, 32),
-                GpuFormat::Nvfp4 { .. } => (QuantMode::Nvfp4, 4, 16),
-                GpuFormat::Float(_) => unreachable!(),
-            };
-            let spec = QuantSpec { mode, bits, group_size: group };
-            let wcols = k * bits / 32;
-            let mut words: Vec<u32> = (0..rows * wcols).map(|_| r.gen()).collect();
-            if mode == QuantMode::Mxfp8 {
-                // no NaN codes (0x7f / 0xff)
-                for w in words.iter_mut() {
-                    let mut b = w.to_le_bytes();
-                    for x in b.iter_mut() {
-                        if *x & 0x7f == 0x7f {
-                            *x &= 0xfe;
-                        }
-                    }
-                    *w = u32::from_le_bytes(b);
-                }
-            }
-            let g = k / group;
-            let weight = RawTensor::from_u32(&with_last(wcols), &words);
-            let (scales, biases) = match fmt {
-                GpuFormat::Affine { scale, .. } => {
-                    let s: Vec<f32> = (0..rows * g).map(|_| r.gen_range(0.005..0.1) * if r.gen() { 1.0 } else { -1.0 }).collect();
-                    let b = randn(r, rows * g, 0.5);
-                    (float_tensor(scale, &with_last(g), &s), Some(float_tensor(scale, &with_last(g), &b)))
-                }
-                GpuFormat::Nvfp4 { .. } => {
-                    // positive e4m3 scales from 2^-4 to ~2^1
-                    let s: Vec<u8> = (0..rows * g).map(|_| r.gen_range(0x18u8..0x48)).collect();
-                    (RawTensor { dtype: RawDType::U8, shape: with_last(g), bytes: s }, None)
-                }
-                _ => {
-                    let s: Vec<u8> = (0..rows * g).map(|_| r.gen_range(118u8..132)).collect();
-                    (RawTensor { dtype: RawDType::U8, shape: with_last(g), bytes: s }, None)
-                }
-            };
-            let global = fmt.has_global();
-            let gs = if global {
-                let e = if shape.len() == 3 { shape[0] } else { 1 };
-                let v: Vec<f32> = (0..e).map(|_| r.gen_range(0.5..3.0)).collect();
-                Some(RawTensor::from_f32(&[e], &v))
-            } else {
-                None
-            };
-            (WeightFormat::Quantized { spec, global_scale: global }, weight, Some(scales), biases, gs)
-        }
-    };
-    WeightData {
-        param: WeightParam { name: format!("w.{}", fmt.describe()), shape: shape.to_vec(), format, module: true },
-        weight,
-        scales,
-        biases,
-        global_scale,
-    }
-}
-
-/// Max chunk bytes giving about `n` chunks of `w` (unit: rows, or experts for 3-D).
-fn chunk_limit(fmt: GpuFormat, shape: &[usize], n: usize) -> u64 {
-    let k = *shape.last().unwrap();
-    let (a, b, c) = fmt.row_bytes(k);
-    let per_row = a.max(b + c);
-    let unit = if shape.len() == 3 { shape[1] } else { 1 };
-    let units: usize = shape[..shape.len() - 1].iter().product::<usize>() / unit;
-    (per_row * unit * units.div_ceil(n)) as u64
-}
 
 fn formats_for_tests() -> Vec<GpuFormat> {
     all_formats()
@@ -1361,7 +1213,7 @@ fn gemv_bandwidth() {
             for sg in [false, true] {
                 if !sg || gpu.info.subgroups {
                     let label = format!("{}{c:?}", if sg { "subgroup " } else { "plain " });
-                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c, half_blocks: true, merge_splits: false }).unwrap()));
+                    kss.push((label, Kernels::new(gpu, KernelOptions { subgroups: sg, checks: c, half_blocks: true, merge_splits: false, coop: markbase::gpu::ops::gemm_f16::CoopMode::Off }).unwrap()));
                 }
             }
         }

@@ -99,7 +99,12 @@ fn uniforms(wgsl: &str) -> Result<BTreeMap<u32, Layout>, String> {
 /// The params struct each uniform binding of `spec` is written from.
 fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
     match spec {
-        KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. } => {
+        KernelSpec::Gemv { .. }
+        | KernelSpec::GemvCat { .. }
+        | KernelSpec::Gemm { .. }
+        | KernelSpec::GroupedGemm { .. }
+        | KernelSpec::GemmF16 { .. }
+        | KernelSpec::RowScale => {
             vec![(0, rust::<MatMulParams>())]
         }
         KernelSpec::Embed { .. } => vec![(0, rust::<EmbedParams>())],

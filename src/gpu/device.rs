@@ -144,6 +144,9 @@ pub struct GpuInfo {
     pub subgroups: bool,
     pub timestamps: bool,
     pub timestamps_inside_passes: bool,
+    /// Cooperative matrices of 16 x 16 x 16, f16 inputs and f32 accumulators (the device was
+    /// opened with them).
+    pub coop_f16_16: bool,
     /// Limits the device was created with (the adapter's own).
     pub limits: wgpu::Limits,
 }
@@ -152,7 +155,7 @@ impl GpuInfo {
     /// One line for logs.
     pub fn summary(&self) -> String {
         format!(
-            "{} ({}, {}, driver {} {}) subgroups {} [{}..{}] f16 {} timestamps {} max binding {} MiB, workgroup mem {} KiB",
+            "{} ({}, {}, driver {} {}) subgroups {} [{}..{}] f16 {} coop16 {} timestamps {} max binding {} MiB, workgroup mem {} KiB",
             self.name,
             self.backend,
             self.device_type,
@@ -162,6 +165,7 @@ impl GpuInfo {
             self.subgroup_min_size,
             self.subgroup_max_size,
             self.shader_f16,
+            self.coop_f16_16,
             self.timestamps,
             self.limits.max_storage_buffer_binding_size >> 20,
             self.limits.max_compute_workgroup_storage_size >> 10,
@@ -298,6 +302,12 @@ impl Gpu {
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+        // cooperative matrices (experimental in wgpu): only where the f16 GEMM's configuration
+        // is offered
+        let coop = have.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            && crate::gpu::ops::gemm_f16::has_f16_16(&adapter.cooperative_matrix_properties())
+            && std::env::var("MARKBASE_COOP").map_or(true, |v| v != "0" && v != "off");
+        let want = if coop { want | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX } else { want };
         let features = have & want;
         let limits = adapter.limits();
         let (device, queue) = adapter
@@ -305,7 +315,14 @@ impl Gpu {
                 label: Some("markbase"),
                 required_features: features,
                 required_limits: limits.clone(),
-                experimental_features: wgpu::ExperimentalFeatures::disabled(),
+                experimental_features: if coop {
+                    // SAFETY: the only experimental feature requested is cooperative matrices,
+                    // used by the f16 GEMM alone; its kernels are checked against the CPU
+                    // reference on such adapters, and MARKBASE_COOP=0 keeps the feature off.
+                    unsafe { wgpu::ExperimentalFeatures::enabled() }
+                } else {
+                    wgpu::ExperimentalFeatures::disabled()
+                },
                 memory_hints: wgpu::MemoryHints::Performance,
                 trace: wgpu::Trace::Off,
             })
@@ -325,6 +342,7 @@ impl Gpu {
             subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             timestamps_inside_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
+            coop_f16_16: features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX),
             limits,
         };
         let faults = Arc::new(Faults::default());

@@ -23,6 +23,7 @@ use markbase_graph::ops::NormScale;
 use markbase_graph::quant::FloatType;
 
 use super::device::{Backend, Gpu, GpuError};
+use super::ops::gemm_f16::CoopMode;
 use super::ops::FAMILIES;
 use super::shader::{reflect_bindings, BindKind, Source};
 use super::weights::GpuFormat;
@@ -113,6 +114,11 @@ pub enum KernelSpec {
     Gemm { fmt: GpuFormat, wide: bool, split: bool, xvec: bool },
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
+    /// The prefill GEMM on f16 tiles (`gemm_coop.wgsl`): `coop` on cooperative matrices, else its
+    /// FMA twin; `xvec`: K % 4 == 0. See [`super::ops::gemm_f16`].
+    GemmF16 { fmt: GpuFormat, coop: bool, xvec: bool },
+    /// The per-token scales of the f16 GEMM's activations (`row_scale.wgsl`).
+    RowScale,
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`); `scalar`: then multiplies by a scalar weight
     /// of that dtype.
@@ -262,6 +268,8 @@ pub struct KernelOptions {
     /// dispatch. Vulkan only: its storage barriers are device-scope fences (SPIR-V), which
     /// the Metal, D3D12 and GL translations do not promise (nor MoltenVK, a Vulkan over Metal).
     pub merge_splits: bool,
+    /// Which GEMM prefill takes: f32, or f16 tiles on cooperative matrices or their FMA twin.
+    pub coop: CoopMode,
 }
 
 impl KernelOptions {
@@ -273,6 +281,7 @@ impl KernelOptions {
             checks: ShaderChecks::from_env(),
             half_blocks: gpu.info.device_type != "cpu",
             merge_splits: gpu.info.backend == Backend::Vulkan && !gpu.info.driver.contains("MoltenVK") && env_on("MARKBASE_ATTN_MERGE"),
+            coop: CoopMode::for_gpu(gpu),
         }
     }
 }

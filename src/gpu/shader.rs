@@ -34,16 +34,34 @@ impl Source {
         }
         self
     }
-    /// The assembled WGSL text.
+    /// The assembled WGSL text. `enable` directives of any file move to the top (WGSL wants
+    /// them before every declaration), each once.
     pub fn text(&self) -> String {
+        let mut enables: Vec<String> = Vec::new();
+        let mut body = String::new();
+        for f in &self.files {
+            for line in preprocess_with(f, &self.flags, &self.consts).lines() {
+                if line.starts_with("enable ") {
+                    if !enables.iter().any(|e| e == line) {
+                        enables.push(line.to_string());
+                    }
+                    body.push('\n');
+                } else {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+            }
+            body.push('\n');
+        }
         let mut out = String::new();
+        for e in &enables {
+            out.push_str(e);
+            out.push('\n');
+        }
         for (n, v) in &self.consts {
             out.push_str(&format!("const {n}: u32 = {v}u;\n"));
         }
-        for f in &self.files {
-            out.push_str(&preprocess_with(f, &self.flags, &self.consts));
-            out.push('\n');
-        }
+        out.push_str(&body);
         out
     }
 }

@@ -12,10 +12,12 @@ use crate::gpu::device::GpuError;
 use crate::gpu::kernels::{all_formats, div_ceil, dt_code, env_on, env_u32, norm_mode, params_struct, weight_source, COMMON, Kernel, KernelSpec, Kernels, WEIGHTS};
 use crate::gpu::shader::Source;
 use crate::gpu::weights::{GpuFormat, GpuWeight};
+use super::gemm_f16::{self, CoopMode};
 use super::{Family, LowerCtx};
 
 const GEMV: &str = include_str!("../../../wgsl/gemv.wgsl");
 const GEMM: &str = include_str!("../../../wgsl/gemm.wgsl");
+const GEMM_COMMON: &str = include_str!("../../../wgsl/gemm_common.wgsl");
 
 /// From this many tokens on, a plain matmul uses the tiled GEMM instead of the GEMV.
 pub const GEMM_MIN_T: usize = 8;
@@ -263,11 +265,11 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
             weight_source(s, fmt, true, xvec, half)
         }
         KernelSpec::Gemm { fmt, wide, split, xvec } => {
-            let s = Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256);
+            let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM]).c("WG", 256);
             weight_source(s.flag("WIDE", wide).flag("SPLIT", split).flag("XVEC", xvec), fmt, false, false, false)
         }
         KernelSpec::GroupedGemm { fmt } => {
-            weight_source(Source::new(&[COMMON, WEIGHTS, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false, false)
+            weight_source(Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM]).c("WG", 256).flag("GROUPED", true), fmt, false, false, false)
         }
         _ => return None,
     })
@@ -412,6 +414,9 @@ impl Kernels {
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
+            if self.opts.coop != CoopMode::Off {
+                return Ok(KernelSpec::GemmF16 { fmt, coop: self.opts.coop == CoopMode::Tensor, xvec: k % 4 == 0 });
+            }
             let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
             KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
         };
@@ -436,10 +441,15 @@ impl Kernels {
 
     /// A matmul launcher for an explicit `Gemv`/`Gemm`/`GroupedGemm` spec (tests, tuning).
     pub fn matmul_spec(&self, spec: KernelSpec) -> Result<MatMulKernel, GpuError> {
-        if !matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. }) {
+        if !matches!(spec, KernelSpec::Gemv { .. } | KernelSpec::GemvCat { .. } | KernelSpec::Gemm { .. } | KernelSpec::GroupedGemm { .. } | KernelSpec::GemmF16 { .. }) {
             return Err(GpuError::Kernel { name: spec.name(), msg: "not a matmul spec".into() });
         }
         Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
+    }
+
+    /// The per-token scales of the f16 GEMM's activations ([`KernelSpec::RowScale`]).
+    pub fn row_scale(&self) -> Result<Arc<Kernel>, GpuError> {
+        self.get(KernelSpec::RowScale)
     }
 
     /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
@@ -583,6 +593,27 @@ impl MatMulKernel {
     }
 
     /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
+    /// The f16 GEMM: it reads the row scales of x (binding 7), written by a
+    /// [`Kernels::row_scale`] dispatch before it ([`MatMulKernel::bind_group_f16`]).
+    pub fn is_f16(&self) -> bool {
+        matches!(self.spec, KernelSpec::GemmF16 { .. })
+    }
+
+    /// Bind group of the f16 GEMM: chunk `c` of `w`, the row scales `scales`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_group_f16(
+        &self,
+        device: &wgpu::Device,
+        params: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        scales: &wgpu::Buffer,
+        w: &GpuWeight,
+        c: usize,
+    ) -> wgpu::BindGroup {
+        self.bind(device, params, x, y, &[(7, scales)], w, None, c)
+    }
+
     pub fn is_split(&self) -> bool {
         matches!(self.spec, KernelSpec::Gemm { split: true, .. })
     }
@@ -637,6 +668,7 @@ impl MatMulKernel {
                 let experts = d.gather.map_or(0, |g| g.e_count);
                 [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
+            KernelSpec::GemmF16 { .. } => gemm_f16::gemm_groups(d.rows, d.t, self.maxg),
             KernelSpec::Gemm { wide, .. } => {
                 [div_ceil(d.rows, gemm_tile_rows(wide)).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
             }
@@ -747,6 +779,23 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let w = cx.mat(1)?;
             let rows = cx.graph.node(cx.ins[0]).ty.rows();
             let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
+            let scales = if k.is_f16() {
+                // the row scales of x, for every chunk's GEMM
+                let bytes = (rows.max(1) * 4) as u64;
+                if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
+                    let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
+                    cx.acc.scratch.push(b.clone());
+                    cx.acc.row_scales = Some(b);
+                }
+                let sb = cx.acc.row_scales.clone().expect("allocated above");
+                let rk = kernels.row_scale().map_err(cx.kerr())?;
+                let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
+                let bg = rk.bind_buffers(dev, &[(0, &p), (1, &cx.input(0)?), (7, &sb)]);
+                cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
+                Some(sb)
+            } else {
+                None
+            };
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::plain(w, ci, rows);
                 let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
@@ -759,6 +808,8 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                     }
                     let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
                     k.bind_group_split(dev, &p, &cx.input(0)?, &cx.out()?, part, done, w, ci)
+                } else if let Some(sb) = &scales {
+                    k.bind_group_f16(dev, &p, &cx.input(0)?, &cx.out()?, sb, w, ci)
                 } else {
                     k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, None, w, ci)
                 };

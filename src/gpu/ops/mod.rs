@@ -22,6 +22,7 @@ pub mod attention;
 pub mod copy;
 pub mod elementwise;
 pub mod embed;
+pub mod gemm_f16;
 pub mod kv_write;
 pub mod matmul;
 pub mod rmsnorm;
@@ -42,6 +43,7 @@ pub(crate) struct Family {
 
 pub(crate) const FAMILIES: &[Family] = &[
     matmul::FAMILY,
+    gemm_f16::FAMILY,
     embed::FAMILY,
     rmsnorm::FAMILY,
     rope::FAMILY,
@@ -90,6 +92,9 @@ pub(crate) struct Lowered {
     /// dispatches run one after the other and leave the counters zeroed), replaced by a
     /// larger one when a GEMM needs more.
     pub split_scratch: Option<(wgpu::Buffer, wgpu::Buffer)>,
+    /// The f16 GEMMs' row scales: one buffer shared by all of them (each writes its scales
+    /// right before it runs), replaced by a larger one when a GEMM has more tokens.
+    pub row_scales: Option<wgpu::Buffer>,
     /// Dispatches recorded since the last [`Lowered::take_dispatches`].
     dispatches: Vec<Dispatch>,
 }
