@@ -8,10 +8,15 @@
 //
 // A workgroup of 256 invocations (8 groups of 32, a subgroup each under COOP) computes a tile of
 // 64 tokens x 128 rows; group g takes tokens 32 (g / 4) .. + 32 and rows 32 (g % 4) .. + 32 as
-// 2 x 2 results of 16 x 16. K advances 32 at a time through two workgroup-memory buffers: while
+// 2 x 2 results of 16 x 16. K advances 16 at a time through two workgroup-memory buffers: while
 // the products of one step run, the next step's weight words and activations are in flight; they
 // are decoded, scaled to f16 and stored into the other buffer after the products (one barrier per
 // step, as gemm.wgsl).
+//
+// HILO: each f32 value v is staged as two f16, hi = f16(v) and lo = f16(v - hi), and each product
+// as hi*hi + hi*lo + lo*hi (three products instead of one): about 22 bits of each input instead
+// of 11, so that a whole model's logits stay within 1e-3 of f32's (one f16 rounding per input
+// moves a small model's logits by up to 8e-3 of their largest).
 //
 // Scaling: s[t] (binding 7, written by row_scale.wgsl) is a power of two that brings the token's
 // largest |x| to at most 2^15, so that x / s fits f16 (max 65504) exactly up to f16 rounding;
@@ -30,7 +35,7 @@ enable wgpu_cooperative_matrix;
 
 const BT: u32 = 64u;   // tokens per tile
 const BN: u32 = 128u;  // rows per tile
-const BK: u32 = 32u;   // K per step
+const BK: u32 = 16u;   // K per step
 // f16 elements per staged row (COOP: padded by 8, so that rows start on distinct banks)
 const LDS: u32 = BK + PAD;
 const XS: u32 = BT * LDS;  // one activation buffer: [token][k]
@@ -38,13 +43,12 @@ const WS: u32 = BN * LDS;  // one weight buffer: [row][k]
 
 var<workgroup> xs: array<f16, 2u * XS>;
 var<workgroup> ws: array<f16, 2u * WS>;
+//#if HILO
+var<workgroup> xl: array<f16, 2u * XS>;
+var<workgroup> wl: array<f16, 2u * WS>;
+//#endif
 // each group's 16 x 16 result on its way out: [token][row]
 var<workgroup> cs: array<f32, 2048u>;
-
-// Elements 8q..8q+7 of K step k0 of x row xr (zeros past K or for an invalid row).
-fn load_x8(xr: u32, k0: u32, q: u32, K: u32, ok: bool) -> array<vec4<f32>, 2> {
-    return array<vec4<f32>, 2>(load_x4(xr, k0, 2u * q, K, ok), load_x4(xr, k0, 2u * q + 1u, K, ok));
-}
 
 // Writes group g's result staged in cs (16 tokens from t0, 16 rows from r0) to y; lane l holds
 // token l / 2, rows 8 (l % 2) .. + 8.
@@ -63,6 +67,15 @@ fn write_out(g: u32, l: u32, t0: u32, r0: u32, gsc: f32) {
     }
 }
 
+// f32 values -> f16 (hi), and what hi misses (lo; HILO).
+fn hi4(v: vec4<f32>) -> vec4<f16> {
+    return vec4<f16>(v);
+}
+
+fn lo4(v: vec4<f32>, h: vec4<f16>) -> vec4<f16> {
+    return vec4<f16>(v - vec4<f32>(h));
+}
+
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -74,10 +87,10 @@ fn main(
     let l = lid % 32u;      // lane in the group
     let gt = 32u * (g / 4u);  // the group's first token in the tile
     let gn = 32u * (g % 4u);  // its first row
-    // activation loader: token lt, elements 8lq..8lq+7 of the step
+    // activation loader: token lt, elements 4lq..4lq+3 of the step
     let lt = lid / 4u;
     let lq = lid % 4u;
-    // weight loader: row lr, octets 2lo and 2lo + 1 of the step's four
+    // weight loader: row lr, octet lo of the step's two
     let lr = lid / 2u;
     let lo = lid % 2u;
     let nsteps = (K + BK - 1u) / BK;
@@ -96,13 +109,11 @@ fn main(
             let r0 = rx * BN;
             let wr = r0 + lr;
             let wload = wr < p.rows;
-            var rw0 = ROct(vec4<u32>(0u), vec4<u32>(0u));
-            var rw1 = ROct(vec4<u32>(0u), vec4<u32>(0u));
+            var rw = ROct(vec4<u32>(0u), vec4<u32>(0u));
             if wload {
-                rw0 = oct_raw(wr, 2u * lo, K);
-                rw1 = oct_raw(wr, 2u * lo + 1u, K);
+                rw = oct_raw(wr, lo, K);
             }
-            var rx8 = load_x8(xr, 0u, lq, K, lvalid);
+            var rx4 = load_x4(xr, 0u, lq, K, lvalid);
 //#if COOP
             var c00 = coop_mat16x16<f32, C>();
             var c01 = coop_mat16x16<f32, C>();
@@ -121,37 +132,43 @@ fn main(
                 let cur = s & 1u;
                 // store step s (loaded during step s - 1's products)
                 {
-                    let xb = cur * XS + lt * LDS + 8u * lq;
-                    for (var j = 0u; j < 8u; j++) {
-                        xs[xb + j] = f16(rx8[j / 4u][j % 4u] * inv);
-                    }
-                    let o = s * 4u + 2u * lo;
-                    let d0 = oct_dec(rw0, wr, o, K);
-                    let d1 = oct_dec(rw1, wr, o + 1u, K);
-                    let wb = cur * WS + lr * LDS + 16u * lo;
+                    let xb = cur * XS + lt * LDS + 4u * lq;
+                    let xv = rx4 * inv;
+                    let xh = hi4(xv);
+                    let d = oct_dec(rw, wr, s * 2u + lo, K);
+                    let wha = hi4(d.a);
+                    let whb = hi4(d.b);
+                    let wb = cur * WS + lr * LDS + 8u * lo;
                     for (var j = 0u; j < 4u; j++) {
-                        ws[wb + j] = f16(d0.a[j]);
-                        ws[wb + 4u + j] = f16(d0.b[j]);
-                        ws[wb + 8u + j] = f16(d1.a[j]);
-                        ws[wb + 12u + j] = f16(d1.b[j]);
+                        xs[xb + j] = xh[j];
+                        ws[wb + j] = wha[j];
+                        ws[wb + 4u + j] = whb[j];
                     }
+//#if HILO
+                    let xlo = lo4(xv, xh);
+                    let wla = lo4(d.a, wha);
+                    let wlb = lo4(d.b, whb);
+                    for (var j = 0u; j < 4u; j++) {
+                        xl[xb + j] = xlo[j];
+                        wl[wb + j] = wla[j];
+                        wl[wb + 4u + j] = wlb[j];
+                    }
+//#endif
                 }
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
                 if s + 1u < nsteps {
                     if wload {
-                        let o = (s + 1u) * 4u + 2u * lo;
-                        rw0 = oct_raw(wr, o, K);
-                        rw1 = oct_raw(wr, o + 1u, K);
+                        rw = oct_raw(wr, (s + 1u) * 2u + lo, K);
                     }
-                    rx8 = load_x8(xr, (s + 1u) * BK, lq, K, lvalid);
+                    rx4 = load_x4(xr, (s + 1u) * BK, lq, K, lvalid);
                 }
 //#if COOP
-                for (var kk = 0u; kk < BK; kk += 16u) {
+                {
                     let lda = LDS;
-                    let ia0 = cur * XS + gt * LDS + kk;
+                    let ia0 = cur * XS + gt * LDS;
                     let ia1 = ia0 + 16u * LDS;
-                    let ib0 = cur * WS + gn * LDS + kk;
+                    let ib0 = cur * WS + gn * LDS;
                     let ib1 = ib0 + 16u * LDS;
                     let a0 = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia0], lda);
                     let a1 = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia1], lda);
@@ -161,16 +178,39 @@ fn main(
                     c01 = coopMultiplyAdd(a0, b1, c01);
                     c10 = coopMultiplyAdd(a1, b0, c10);
                     c11 = coopMultiplyAdd(a1, b1, c11);
+//#if HILO
+                    let al0 = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia0], lda);
+                    let al1 = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia1], lda);
+                    let bl0 = coopLoad<coop_mat16x16<f16, B>>(&wl[ib0], lda);
+                    let bl1 = coopLoad<coop_mat16x16<f16, B>>(&wl[ib1], lda);
+                    c00 = coopMultiplyAdd(a0, bl0, c00);
+                    c01 = coopMultiplyAdd(a0, bl1, c01);
+                    c10 = coopMultiplyAdd(a1, bl0, c10);
+                    c11 = coopMultiplyAdd(a1, bl1, c11);
+                    c00 = coopMultiplyAdd(al0, b0, c00);
+                    c01 = coopMultiplyAdd(al0, b1, c01);
+                    c10 = coopMultiplyAdd(al1, b0, c10);
+                    c11 = coopMultiplyAdd(al1, b1, c11);
+//#endif
                 }
 //#else
                 for (var k = 0u; k < BK; k++) {
                     for (var a = 0u; a < 2u; a++) {
-                        let xa = f32(xs[cur * XS + (gt + 16u * a + l / 2u) * LDS + k]);
+                        let ix = cur * XS + (gt + 16u * a + l / 2u) * LDS + k;
+                        let xa = f32(xs[ix]);
+//#if HILO
+                        let xla = f32(xl[ix]);
+//#endif
                         for (var b = 0u; b < 2u; b++) {
                             let wb = cur * WS + (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
                             for (var j = 0u; j < 8u; j++) {
                                 let q = 8u * (2u * a + b) + j;
-                                acc[q] = fma(xa, f32(ws[wb + j * LDS]), acc[q]);
+                                let wh = f32(ws[wb + j * LDS]);
+                                acc[q] = fma(xa, wh, acc[q]);
+//#if HILO
+                                acc[q] = fma(xa, f32(wl[wb + j * LDS]), acc[q]);
+                                acc[q] = fma(xla, wh, acc[q]);
+//#endif
                             }
                         }
                     }

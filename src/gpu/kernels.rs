@@ -115,8 +115,9 @@ pub enum KernelSpec {
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
     /// The prefill GEMM on f16 tiles (`gemm_coop.wgsl`): `coop` on cooperative matrices, else its
-    /// FMA twin; `xvec`: K % 4 == 0. See [`super::ops::gemm_f16`].
-    GemmF16 { fmt: GpuFormat, coop: bool, xvec: bool },
+    /// FMA twin; `xvec`: K % 4 == 0; `hilo`: each input as two f16 (hi and lo), three products
+    /// each. See [`super::ops::gemm_f16`].
+    GemmF16 { fmt: GpuFormat, coop: bool, xvec: bool, hilo: bool },
     /// The per-token scales of the f16 GEMM's activations (`row_scale.wgsl`).
     RowScale,
     Embed { fmt: GpuFormat },

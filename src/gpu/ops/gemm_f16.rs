@@ -16,6 +16,12 @@ const GEMM_COMMON: &str = include_str!("../../../wgsl/gemm_common.wgsl");
 const GEMM_COOP: &str = include_str!("../../../wgsl/gemm_coop.wgsl");
 const ROW_SCALE: &str = include_str!("../../../wgsl/row_scale.wgsl");
 
+/// Whether the f16 GEMM stages each input as two f16 (hi and lo: about f32's precision, three
+/// products each); `MARKBASE_COOP_HILO=0` stages one f16 (one product, 11 bits).
+pub fn hilo() -> bool {
+    crate::gpu::kernels::env_on("MARKBASE_COOP_HILO")
+}
+
 /// Tokens and rows of one workgroup's tile.
 pub const TILE_T: usize = 64;
 pub const TILE_N: usize = 128;
@@ -71,9 +77,13 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, xvec } => {
-            format!("gemm_f16[{}{}{}]", fmt.describe(), if *coop { " coop" } else { " fma" }, if *xvec { " xvec" } else { "" })
-        }
+        KernelSpec::GemmF16 { fmt, coop, xvec, hilo } => format!(
+            "gemm_f16[{}{}{}{}]",
+            fmt.describe(),
+            if *coop { " coop" } else { " fma" },
+            if *hilo { " hilo" } else { "" },
+            if *xvec { " xvec" } else { "" }
+        ),
         KernelSpec::RowScale => "row_scale".into(),
         _ => return None,
     })
@@ -81,9 +91,9 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, xvec } => {
+        KernelSpec::GemmF16 { fmt, coop, xvec, hilo } => {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP]).c("WG", 256).c("PAD", if coop { 8 } else { 0 });
-            weight_source(s.flag("COOP", coop).flag("XVEC", xvec), fmt, false, false, false)
+            weight_source(s.flag("COOP", coop).flag("XVEC", xvec).flag("HILO", hilo), fmt, false, false, false)
         }
         KernelSpec::RowScale => Source::new(&[GEMM_COMMON, ROW_SCALE]),
         _ => return None,
@@ -94,8 +104,8 @@ fn variants() -> Vec<KernelSpec> {
     let mut v = vec![KernelSpec::RowScale];
     for fmt in all_formats() {
         for coop in [false, true] {
-            for xvec in [false, true] {
-                v.push(KernelSpec::GemmF16 { fmt, coop, xvec });
+            for (xvec, hilo) in [(false, true), (true, true), (true, false)] {
+                v.push(KernelSpec::GemmF16 { fmt, coop, xvec, hilo });
             }
         }
     }
