@@ -13,7 +13,8 @@
 // are decoded, scaled to f16 and stored into the other buffer after the products (one barrier per
 // step, as gemm.wgsl).
 //
-// HILO: each f32 value v is staged as two f16, hi = f16(v) and lo = f16(v - hi), and each product
+// HILO: each f32 value v is staged as two f16, hi (v rounded to 11 significant bits) and
+// lo = f16(v - hi), and each product
 // as hi*hi + hi*lo + lo*hi (three products instead of one): about 22 bits of each input instead
 // of 11, so that a whole model's logits stay within 1e-3 of f32's (one f16 rounding per input
 // moves a small model's logits by up to 8e-3 of their largest).
@@ -67,13 +68,10 @@ fn write_out(g: u32, l: u32, t0: u32, r0: u32, gsc: f32) {
     }
 }
 
-// f32 values -> f16 (hi), and what hi misses (lo; HILO).
-fn hi4(v: vec4<f32>) -> vec4<f16> {
-    return vec4<f16>(v);
-}
-
-fn lo4(v: vec4<f32>, h: vec4<f16>) -> vec4<f16> {
-    return vec4<f16>(v - vec4<f32>(h));
+// f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler
+// can fold a round trip through f16 away (one did: the lo parts came out zero).
+fn hi4(v: vec4<f32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
 }
 
 @compute @workgroup_size(256)
@@ -134,26 +132,30 @@ fn main(
                 {
                     let xb = cur * XS + lt * LDS + 4u * lq;
                     let xv = rx4 * inv;
-                    let xh = hi4(xv);
                     let d = oct_dec(rw, wr, s * 2u + lo, K);
+                    let wb = cur * WS + lr * LDS + 8u * lo;
+//#if HILO
+                    let xh = hi4(xv);
                     let wha = hi4(d.a);
                     let whb = hi4(d.b);
-                    let wb = cur * WS + lr * LDS + 8u * lo;
-                    for (var j = 0u; j < 4u; j++) {
-                        xs[xb + j] = xh[j];
-                        ws[wb + j] = wha[j];
-                        ws[wb + 4u + j] = whb[j];
-                    }
-//#if HILO
-                    let xlo = lo4(xv, xh);
-                    let wla = lo4(d.a, wha);
-                    let wlb = lo4(d.b, whb);
+                    let xlo = vec4<f16>(xv - xh);
+                    let wla = vec4<f16>(d.a - wha);
+                    let wlb = vec4<f16>(d.b - whb);
                     for (var j = 0u; j < 4u; j++) {
                         xl[xb + j] = xlo[j];
                         wl[wb + j] = wla[j];
                         wl[wb + 4u + j] = wlb[j];
                     }
+//#else
+                    let xh = xv;
+                    let wha = d.a;
+                    let whb = d.b;
 //#endif
+                    for (var j = 0u; j < 4u; j++) {
+                        xs[xb + j] = f16(xh[j]);
+                        ws[wb + j] = f16(wha[j]);
+                        ws[wb + 4u + j] = f16(whb[j]);
+                    }
                 }
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
