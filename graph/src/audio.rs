@@ -79,6 +79,9 @@ impl AudioConfig {
                 return Err(ConfigError::Field { field: format!("audio_config.{k}"), msg: "only 0 (causal local attention) is supported".into() });
             }
         }
+        if let Some(act) = ac.get("hidden_act").filter(|a| !a.is_null() && a.as_str() != Some("silu")) {
+            return Err(ConfigError::Field { field: "audio_config.hidden_act".into(), msg: format!("only silu is supported, got {act}") });
+        }
         let left = usize_of(ac, "attention_context_left", 13)?;
         if left < 2 {
             return Err(ConfigError::Field { field: "audio_config.attention_context_left".into(), msg: format!("must be at least 2, got {left}") });
@@ -169,4 +172,43 @@ pub fn audio_tower_params(c: &AudioConfig) -> Vec<TowerParam> {
     push(&mut o, "audio_tower.output_proj.bias".into(), &[c.output_dims], false, None);
     push(&mut o, "embed_audio.embedding_projection".into(), &[c.text_hidden, c.output_dims], true, None);
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiny Gemma 4 fixture's config with `audio_config` replaced.
+    fn config(audio: Value) -> Result<Option<AudioConfig>, ConfigError> {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/audio_tower/gemma4/config.json");
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("fixture config")).expect("json");
+        v["audio_config"] = audio;
+        let text = ModelConfig::from_value(&v).expect("text config");
+        AudioConfig::from_value(&v, &text)
+    }
+
+    #[test]
+    fn real_defaults_give_the_e2b_tower() {
+        let ac = config(serde_json::json!({})).unwrap().unwrap();
+        assert_eq!((ac.hidden, ac.layers, ac.heads, ac.head_dim(), ac.window), (1024, 12, 8, 128, 12));
+        assert_eq!((ac.subsampled_features(), ac.conv_channels, ac.output_dims), (32, [128, 32], 1536));
+        // about 305 M parameters (the tower alone; the projector's width is the tiny text's)
+        let n: usize = audio_tower_params(&ac).iter().filter(|p| !p.name.starts_with("embed_audio.")).map(|p| p.shape.iter().product::<usize>()).sum();
+        assert!((300_000_000..310_000_000).contains(&n), "{n}");
+        assert_eq!(AudioConfig::rows(199), 50);
+        assert_eq!(AudioConfig::rows(30), 8);
+    }
+
+    #[test]
+    fn unsupported_settings_are_refused() {
+        for (bad, field) in [
+            (serde_json::json!({"attention_context_right": 2}), "attention_context_right"),
+            (serde_json::json!({"subsampling_conv_channels": [128]}), "subsampling_conv_channels"),
+            (serde_json::json!({"hidden_size": 100, "num_attention_heads": 8}), "num_attention_heads"),
+            (serde_json::json!({"hidden_act": "gelu"}), "hidden_act"),
+        ] {
+            let e = config(bad).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+    }
 }
