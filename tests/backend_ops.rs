@@ -42,7 +42,7 @@ use rand::Rng;
 const EXACT: Check = Check::Nmse(1e-10);
 // Elementwise arithmetic (add, mul, scale): one f32 op per value [0].
 const ELEMENTWISE: Check = Check::Nmse(1e-11);
-// tanh, softcap, GELU, GeGLU: the GPU's tanh is accurate to about 1e-7 absolute, not
+// tanh, softcap, GELU, GeGLU, SiLU: the GPU's tanh is accurate to about 1e-7 absolute, not
 // relative (lavapipe), and GELU's `1 + tanh(u)` cancels at negative inputs (gelu(-3) is
 // 1e-3 of the input), so a single value may differ by 1e-5 relative [5e-13 over rows of
 // values in ±3, 3e-12 for GeGLU].
@@ -336,10 +336,12 @@ fn elementwise(cs: &mut Cases) {
         ("scale", UnaryOp::Scale { factor: -0.37 }),
         ("gelu", UnaryOp::Gelu),
         ("softcap", UnaryOp::Softcap { cap: 3.0 }),
+        ("relu", UnaryOp::Relu),
+        ("silu", UnaryOp::Silu),
     ] {
         for (t, d, amp) in [(1usize, 1usize, 3.0f32), (7, 45, 3.0), (2, 1031, 3.0), (3, 45, 1e-3)] {
             let check = match f {
-                UnaryOp::Scale { .. } => ELEMENTWISE,
+                UnaryOp::Scale { .. } | UnaryOp::Relu => ELEMENTWISE,
                 _ if amp < 0.1 => NEAR_ZERO,
                 _ => TRANSCENDENTAL,
             };

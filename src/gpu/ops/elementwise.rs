@@ -87,8 +87,8 @@ impl ElementwiseParams {
             UnaryOp::Scale { factor } => (0, factor),
             UnaryOp::Gelu => (1, 0.0),
             UnaryOp::Softcap { cap } => (2, cap),
-            // refused before lowering (see `ops::gpu_lowers`)
-            UnaryOp::Relu | UnaryOp::Silu => unreachable!("{f:?} has no GPU lowering"),
+            UnaryOp::Relu => (3, 0.0),
+            UnaryOp::Silu => (4, 0.0),
         };
         ElementwiseParams { n: n as u32, nb: 1, op, f: v, ..Default::default() }
     }

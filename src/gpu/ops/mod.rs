@@ -238,7 +238,7 @@ pub struct UnsupportedOp {
 
 /// Names of the ops (`Op::name`) that no WGSL kernel lowers yet: the GPU executor refuses
 /// graphs holding them with an [`UnsupportedOp`].
-pub const CPU_ONLY_OPS: [&str; 8] = ["conv2d", "mask_rows", "strided_rows", "glu", "depthwise_conv1d", "audio_attention", "relu", "silu"];
+pub const CPU_ONLY_OPS: [&str; 6] = ["conv2d", "mask_rows", "strided_rows", "glu", "depthwise_conv1d", "audio_attention"];
 
 /// Whether the GPU executor lowers `op`.
 pub fn gpu_lowers(op: &Op) -> bool {
