@@ -5,6 +5,9 @@
 //! mapped to [-1, 1] by the host: `2x − 1`), `patch_x` and `patch_y` `u32[P]`. Outputs:
 //! `soft` `[N, D_text]` (also `logits`, which executors expect, and `token`), and the
 //! intermediates `patch_embed`, `layer<i>` `[P, hidden]` and `pooled` `[N, hidden]`.
+//!
+//! Gemma 4's audio tower is built here too ([`build_gemma4_audio_tower`]), from log-mel
+//! frames to its soft tokens.
 
 use petgraph::graph::NodeIndex;
 

@@ -81,7 +81,8 @@ pub struct TowerSummary {
     pub vision_storage: Vec<String>,
     /// Soft tokens per image (Gemma 4: the default budget).
     pub soft_tokens: usize,
-    /// Audio tower tensors, listed (audio is not supported).
+    /// Audio tower tensors, listed (audio input is not supported by the engine yet; the tower
+    /// itself loads: [`Checkpoint::load_audio_tower`]).
     pub audio_tensors: Vec<String>,
 }
 
