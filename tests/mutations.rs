@@ -88,7 +88,13 @@ impl Bug {
             | Op::Clamp
             | Op::AvgPool { .. }
             | Op::LayerNorm { .. }
-            | Op::Scatter => false,
+            | Op::Scatter
+            | Op::Conv2d { .. }
+            | Op::MaskRows
+            | Op::StridedRows { .. }
+            | Op::Glu
+            | Op::DepthwiseConv1d
+            | Op::AudioAttention { .. } => false,
         }
     }
 

@@ -1,7 +1,8 @@
 // Elementwise ops over n f32 values (one source variant per op):
 //   GEGLU:  out = gelu(a) * b                        (b: up, same length)
 //   BINARY: out = a (+|*) b[i % nb]                  (params.op 0 add, 1 mul; b dtype BDT)
-//   UNARY:  out = f(a), params.op 0 scale (a * f), 1 gelu, 2 softcap (f * tanh(a / f))
+//   UNARY:  out = f(a), params.op 0 scale (a * f), 1 gelu, 2 softcap (f * tanh(a / f)),
+//           3 relu (max(a, 0)), 4 silu (a / (1 + exp(-a)))
 // tanh arguments are clamped to +-15 (cpu::ops).
 //
 // Prelude consts: WG, BDT (BINARY: 0 bf16, 1 f16, 2 f32). Flags: GEGLU | BINARY | UNARY.
@@ -65,6 +66,12 @@ fn main(
             }
             case 1u: {
                 r = gelu(v);
+            }
+            case 3u: {
+                r = max(v, 0.0);
+            }
+            case 4u: {
+                r = v / (1.0 + exp(-v));
             }
             default: {
                 r = p.f * tanh_c(v / p.f);

@@ -66,6 +66,10 @@ pub enum InputKind {
     /// it attends to (the end of its image span, else its own position; see
     /// [`crate::ops::Op::Attention`]).
     AttnPositions,
+    /// Log-mel features `f32[T, F]` and each frame's validity `u32[T]` (1: a real frame; an
+    /// audio tower's input).
+    AudioFeatures,
+    AudioValid,
 }
 
 /// Persistent state owned by the runtime across steps.

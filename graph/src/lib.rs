@@ -2,6 +2,7 @@
 //! passes (shape validation, liveness + buffer assignment, phase scheduling,
 //! invariant checking) and deterministic dumps. No GPU dependency.
 
+pub mod audio;
 pub mod builder;
 pub mod config;
 pub mod dump;

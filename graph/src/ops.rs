@@ -92,6 +92,10 @@ pub enum UnaryOp {
     Gelu,
     /// `cap * tanh(x / cap)`.
     Softcap { cap: f32 },
+    /// `max(x, 0)`.
+    Relu,
+    /// `x * sigmoid(x)`.
+    Silu,
 }
 
 /// The ops. Inputs are listed per variant as `[name: type]`.
@@ -217,6 +221,27 @@ pub enum Op {
     /// `[x: f32[T, D], rows: f32[N, D], src: u32[T]] -> f32[T, D]`: row `t` of x replaced by
     /// `rows[src[t] - 1]` where `src[t] > 0` (soft-token rows into a prompt's embeddings).
     Scatter,
+    /// `[x: f32[H, W, C], w: f32-weight[O, kh, kw, C]] -> f32[Ho, Wo, O]`: a dense 2-D
+    /// convolution (MLX layout, no bias), `pad` zeros on all four sides, `Ho = (H + 2·pad −
+    /// kh) / stride + 1` (Gemma 4's audio subsampling convs: 3x3, stride 2, pad 1).
+    Conv2d { stride: usize, pad: usize },
+    /// `[x: f32[T, ..], valid: u32[T]] -> x`: rows `t` with `valid[t] == 0` set to zero.
+    MaskRows,
+    /// `[x: [T, ..]] -> [ceil(T / stride), ..]` (f32 or u32): rows `0, stride, 2·stride, ..`
+    /// (`x[::stride]`, a frame mask through a strided conv).
+    StridedRows { stride: usize },
+    /// `[x: f32[.., 2C]] -> f32[.., C]`: `a · sigmoid(b)` of the halves `a | b` (GLU).
+    Glu,
+    /// `[x: f32[T, C], w: f32-weight[C, K, 1]] -> f32[T, C]`: causal depthwise 1-D convolution,
+    /// `y[t, c] = Σ_j w[c, j] · x[t − (K − 1) + j, c]` (zeros before row 0).
+    DepthwiseConv1d,
+    /// `[q, k, v: f32[T, H, D], valid: u32[T], per_dim_scale: f32-weight[D], rel: weight[H·D, C]]
+    /// -> f32[T, H, D]`: Gemma 4's local audio attention, the exact form of its chunked one.
+    /// `q ← q · D^−½ / ln 2 · softplus(per_dim_scale)`, `k ← k · ln(1 + e) / ln 2`; query `t`
+    /// sees keys `s` with `0 ≤ t − s < window` and `valid[s]`; the logit is
+    /// `q_t·k_s + q_t·R[t − s]` with `R[d] = rel · [sin(d·τ), cos(d·τ)]` (`C / 2` timescales
+    /// `τ_i = 10⁴^(−i / (C/2 − 1))`), soft-capped at `softcap` (a query with no key: zeros).
+    AudioAttention { window: usize, softcap: f32 },
 }
 
 /// Heads `start..start + count` of a value with more heads (a fused q/k/v projection's output).
@@ -284,6 +309,8 @@ impl Op {
             Op::Unary { f: UnaryOp::Scale { .. } } => "scale",
             Op::Unary { f: UnaryOp::Gelu } => "gelu",
             Op::Unary { f: UnaryOp::Softcap { .. } } => "softcap",
+            Op::Unary { f: UnaryOp::Relu } => "relu",
+            Op::Unary { f: UnaryOp::Silu } => "silu",
             Op::GeGlu => "geglu",
             Op::TopK { .. } => "top_k",
             Op::TopKSoftmax => "top_k_softmax",
@@ -298,6 +325,12 @@ impl Op {
             Op::AvgPool { .. } => "avg_pool",
             Op::LayerNorm { .. } => "layer_norm",
             Op::Scatter => "scatter",
+            Op::Conv2d { .. } => "conv2d",
+            Op::MaskRows => "mask_rows",
+            Op::StridedRows { .. } => "strided_rows",
+            Op::Glu => "glu",
+            Op::DepthwiseConv1d => "depthwise_conv1d",
+            Op::AudioAttention { .. } => "audio_attention",
         }
     }
 
@@ -368,6 +401,9 @@ impl Op {
             Op::FullAttention { scale } => format!("scale={scale} bidirectional"),
             Op::AvgPool { rows, cols, k } => format!("grid={rows}x{cols} k={k}"),
             Op::LayerNorm { eps } => format!("eps={eps:e}"),
+            Op::Conv2d { stride, pad } => format!("stride={stride} pad={pad}"),
+            Op::StridedRows { stride } => format!("stride={stride}"),
+            Op::AudioAttention { window, softcap } => format!("window={window} softcap={softcap}"),
             _ => String::new(),
         }
     }
@@ -738,6 +774,67 @@ impl Op {
                     return Err(err(format!("x {} rows {} src {}", x.describe(), r.describe(), src.describe())));
                 }
                 Ok(x.clone())
+            }
+            Op::Conv2d { stride, pad } => {
+                need(2)?;
+                let x = f32_in(0)?;
+                let w = inputs[1];
+                let ok = x.shape.len() == 3 && w.shape.len() == 4 && w.shape[3] == x.shape[2] && *stride > 0;
+                if !ok || x.shape[0] + 2 * pad < w.shape[1] || x.shape[1] + 2 * pad < w.shape[2] {
+                    return Err(err(format!("x {} w {}", x.describe(), w.describe())));
+                }
+                let ho = (x.shape[0] + 2 * pad - w.shape[1]) / stride + 1;
+                let wo = (x.shape[1] + 2 * pad - w.shape[2]) / stride + 1;
+                Ok(TensorType::f32(&[ho, wo, w.shape[0]]))
+            }
+            Op::MaskRows => {
+                need(2)?;
+                let x = f32_in(0)?;
+                let v = u32_in(1)?;
+                if x.shape.is_empty() || v.shape != [x.shape[0]] {
+                    return Err(err(format!("x {} valid {}", x.describe(), v.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::StridedRows { stride } => {
+                need(1)?;
+                let x = inputs[0];
+                if x.shape.is_empty() || x.shape[0] == 0 || *stride == 0 {
+                    return Err(err(format!("{} stride {stride}", x.describe())));
+                }
+                let mut s = x.shape.clone();
+                s[0] = x.shape[0].div_ceil(*stride);
+                Ok(TensorType { shape: s, dtype: x.dtype })
+            }
+            Op::Glu => {
+                need(1)?;
+                let x = f32_in(0)?;
+                if x.last() % 2 != 0 || x.shape.is_empty() {
+                    return Err(err(format!("{} has no even last dim", x.describe())));
+                }
+                let mut s = x.shape.clone();
+                *s.last_mut().expect("non-empty") /= 2;
+                Ok(TensorType::f32(&s))
+            }
+            Op::DepthwiseConv1d => {
+                need(2)?;
+                let x = f32_in(0)?;
+                let w = inputs[1];
+                if x.shape.len() != 2 || w.shape.len() != 3 || w.shape[0] != x.shape[1] || w.shape[2] != 1 || w.shape[1] == 0 {
+                    return Err(err(format!("x {} w {}", x.describe(), w.describe())));
+                }
+                Ok(x.clone())
+            }
+            Op::AudioAttention { window, .. } => {
+                need(6)?;
+                let (q, k, v) = (f32_in(0)?, f32_in(1)?, f32_in(2)?);
+                let valid = u32_in(3)?;
+                let (pds, rel) = (inputs[4], inputs[5]);
+                let ok = q.shape.len() == 3 && k.shape == q.shape && v.shape == q.shape && valid.shape == [q.shape[0]];
+                if !ok || pds.shape != [q.shape[2]] || rel.shape.len() != 2 || rel.shape[0] != q.shape[1] * q.shape[2] || rel.shape[1] < 4 || *window == 0 {
+                    return Err(err(format!("q {} k {} v {} valid {} per_dim_scale {} rel {}", q.describe(), k.describe(), v.describe(), valid.describe(), pds.describe(), rel.describe())));
+                }
+                Ok(q.clone())
             }
             Op::Sample => {
                 need(3)?;

@@ -5,12 +5,16 @@
 //! mapped to [-1, 1] by the host: `2x − 1`), `patch_x` and `patch_y` `u32[P]`. Outputs:
 //! `soft` `[N, D_text]` (also `logits`, which executors expect, and `token`), and the
 //! intermediates `patch_embed`, `layer<i>` `[P, hidden]` and `pooled` `[N, hidden]`.
+//!
+//! Gemma 4's audio tower is built here too ([`build_gemma4_audio_tower`]), from log-mel
+//! frames to its soft tokens.
 
 use petgraph::graph::NodeIndex;
 
 use crate::builder::WeightResolver;
 use crate::ir::{BuildError, Graph, GraphKind, InputKind, WeightParam};
 use crate::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
+use crate::audio::AudioConfig;
 use crate::vision::{TowerKind, VisionConfig};
 
 /// Name of the half of Gemma 4's `[2, N, hidden]` position table holding the x rows (`.x`)
@@ -20,6 +24,10 @@ pub const POSITION_TABLE: &str = "vision_tower.patch_embedder.position_embedding
 struct T<'a> {
     g: Graph,
     res: &'a dyn WeightResolver,
+    /// Whether the tower's clippable linears clip.
+    clip: bool,
+    /// Prefix of node names (`v`: vision, `a`: audio).
+    tag: char,
 }
 
 impl T<'_> {
@@ -30,9 +38,10 @@ impl T<'_> {
     }
 
     fn op(&mut self, name: &str, layer: Option<usize>, op: Op, ins: &[NodeIndex]) -> Result<NodeIndex, BuildError> {
+        let tag = self.tag;
         let name = match layer {
-            Some(l) => format!("v{l}.{name}"),
-            None => format!("v.{name}"),
+            Some(l) => format!("{tag}{l}.{name}"),
+            None => format!("{tag}.{name}"),
         };
         self.g.op(&name, layer, op, ins)
     }
@@ -40,7 +49,7 @@ impl T<'_> {
     /// `x @ W^T` of the module `p` (`[out, in]`). `clippable`: one of the encoder's clippable
     /// linears (the module is `p.linear`), between its input and output clips when the tower
     /// clips them.
-    fn linear(&mut self, vc: &VisionConfig, x: NodeIndex, p: &str, out: usize, clippable: bool, layer: Option<usize>) -> Result<NodeIndex, BuildError> {
+    fn linear(&mut self, x: NodeIndex, p: &str, out: usize, clippable: bool, layer: Option<usize>) -> Result<NodeIndex, BuildError> {
         let inn = self.g.node(x).ty.last();
         let short = p.rsplit('.').next().unwrap_or(p).to_string();
         let clip = |t: &mut Self, x: NodeIndex, which: &str| -> Result<NodeIndex, BuildError> {
@@ -48,7 +57,7 @@ impl T<'_> {
             let hi = t.w(&format!("{p}.{which}_max"), &[], false, layer);
             t.op(&format!("{short}_{which}_clip"), layer, Op::Clamp, &[x, lo, hi])
         };
-        let clipped = clippable && vc.clipped;
+        let clipped = clippable && self.clip;
         let x = if clipped { clip(self, x, "input")? } else { x };
         let wname = if clippable { format!("{p}.linear") } else { p.to_string() };
         let w = self.w(&wname, &[out, inn], true, layer);
@@ -90,13 +99,13 @@ pub fn build_siglip_tower(vc: &VisionConfig, res: &dyn WeightResolver) -> Result
     let p = side * side;
     let (h, hd, heads) = (vc.hidden, vc.head_dim, vc.heads);
     let eps = vc.eps as f32;
-    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res };
+    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res, clip: vc.clipped, tag: 'v' };
     let k = vc.patch * vc.patch * 3;
     let pix = t.g.input("pixels", InputKind::Pixels, TensorType::f32(&[p, k]));
     let pos = t.g.input("positions", InputKind::Positions, TensorType::u32(&[p]));
     let vm = "vision_tower.vision_model";
     let biased = |t: &mut T, x: NodeIndex, name: &str, module: &str, out: usize, l: Option<usize>| -> Result<NodeIndex, BuildError> {
-        let y = t.linear(vc, x, module, out, false, l)?;
+        let y = t.linear(x, module, out, false, l)?;
         let b = t.w(&format!("{module}.bias"), &[out], false, l);
         t.op(name, l, Op::Binary { f: BinaryOp::Add }, &[y, b])
     };
@@ -139,7 +148,7 @@ pub fn build_siglip_tower(vc: &VisionConfig, res: &dyn WeightResolver) -> Result
     t.g.set_output("pooled", pooled);
     let nw = t.w("multi_modal_projector.mm_soft_emb_norm.weight", &[h], false, None);
     let n = t.op("soft_norm", None, Op::RmsNorm { eps, scale: NormScale::OnePlusW }, &[pooled, nw])?;
-    let soft = t.linear(vc, n, GEMMA3_PROJECTOR_LINEAR, vc.text_hidden, false, None)?;
+    let soft = t.linear(n, GEMMA3_PROJECTOR_LINEAR, vc.text_hidden, false, None)?;
     finish(t, soft)
 }
 
@@ -172,12 +181,12 @@ pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usi
     let p = rows * cols;
     let (h, hd, heads) = (vc.hidden, vc.head_dim, vc.heads);
     let eps = vc.eps as f32;
-    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res };
+    let mut t = T { g: Graph::new(p, GraphKind::Prefill), res, clip: vc.clipped, tag: 'v' };
     let pix = t.g.input("pixels", InputKind::Pixels, TensorType::f32(&[p, vc.patch * vc.patch * 3]));
     let px = t.g.input("patch_x", InputKind::PatchX, TensorType::u32(&[p]));
     let py = t.g.input("patch_y", InputKind::PatchY, TensorType::u32(&[p]));
 
-    let emb = t.linear(vc, pix, "vision_tower.patch_embedder.input_proj", h, false, None)?;
+    let emb = t.linear(pix, "vision_tower.patch_embedder.input_proj", h, false, None)?;
     let tx = t.w(&format!("{POSITION_TABLE}.x"), &[vc.position_table, h], true, None);
     let ty = t.w(&format!("{POSITION_TABLE}.y"), &[vc.position_table, h], true, None);
     let ex = t.op("pos_x", None, Op::Embed { scale: 1.0, clamp: None }, &[px, tx])?;
@@ -192,7 +201,7 @@ pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usi
         let a = t.norm("input_norm", x, Some(&format!("{pre}.input_layernorm.weight")), eps, l)?;
         let mut qkv = vec![];
         for (n, norm) in [("q", true), ("k", true), ("v", false)] {
-            let y = t.linear(vc, a, &format!("{pre}.self_attn.{n}_proj"), heads * hd, true, l)?;
+            let y = t.linear(a, &format!("{pre}.self_attn.{n}_proj"), heads * hd, true, l)?;
             let y = t.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![p, heads, hd] }, &[y])?;
             let y = if norm {
                 let y = t.norm(&format!("{n}_norm"), y, Some(&format!("{pre}.self_attn.{n}_norm.weight")), eps, l)?;
@@ -204,15 +213,15 @@ pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usi
         }
         let o = t.op("attention", l, Op::FullAttention { scale: 1.0 }, &qkv)?;
         let o = t.op("attn_flat", l, Op::Reshape { shape: vec![p, heads * hd] }, &[o])?;
-        let o = t.linear(vc, o, &format!("{pre}.self_attn.o_proj"), h, true, l)?;
+        let o = t.linear(o, &format!("{pre}.self_attn.o_proj"), h, true, l)?;
         let o = t.norm("post_attn_norm", o, Some(&format!("{pre}.post_attention_layernorm.weight")), eps, l)?;
         x = t.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
         let a = t.norm("pre_ffw_norm", x, Some(&format!("{pre}.pre_feedforward_layernorm.weight")), eps, l)?;
-        let gate = t.linear(vc, a, &format!("{pre}.mlp.gate_proj"), vc.intermediate, true, l)?;
-        let up = t.linear(vc, a, &format!("{pre}.mlp.up_proj"), vc.intermediate, true, l)?;
+        let gate = t.linear(a, &format!("{pre}.mlp.gate_proj"), vc.intermediate, true, l)?;
+        let up = t.linear(a, &format!("{pre}.mlp.up_proj"), vc.intermediate, true, l)?;
         let gate = t.op("gelu", l, Op::Unary { f: UnaryOp::Gelu }, &[gate])?;
         let m = t.op("geglu", l, Op::Binary { f: BinaryOp::Mul }, &[gate, up])?;
-        let m = t.linear(vc, m, &format!("{pre}.mlp.down_proj"), h, true, l)?;
+        let m = t.linear(m, &format!("{pre}.mlp.down_proj"), h, true, l)?;
         let m = t.norm("post_ffw_norm", m, Some(&format!("{pre}.post_feedforward_layernorm.weight")), eps, l)?;
         x = t.op("ffw_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, m])?;
         t.g.set_output(&format!("layer{i}"), x);
@@ -222,6 +231,101 @@ pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usi
     let pooled = t.op("pooled", None, Op::Unary { f: UnaryOp::Scale { factor: (h as f32).sqrt() } }, &[pooled])?;
     t.g.set_output("pooled", pooled);
     let s = t.norm("soft_norm", pooled, None, eps, None)?;
-    let soft = t.linear(vc, s, "embed_vision.embedding_projection", vc.text_hidden, false, None)?;
+    let soft = t.linear(s, "embed_vision.embedding_projection", vc.text_hidden, false, None)?;
+    finish(t, soft)
+}
+
+/// The graph of Gemma 4's audio tower over `frames` log-mel frames, through `embed_audio`.
+/// Inputs: `features` `f32[T, 128]` and `valid` `u32[T]` (1: a real frame). Outputs: `soft`
+/// `[T'', D_text]` (T'' = ceil(ceil(T/2)/2); rows of padded frames are not soft tokens), the
+/// intermediates `sscp0` `[T', 64, C0]`, `sscp1` `[T'', 32, C1]`, `subsample` and `block<i>`
+/// `[T'', hidden]`, `encoder` `[T'', output_dims]` (padded rows zeroed), and `valid_rows`
+/// `u32[T'']`.
+pub fn build_gemma4_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, frames: usize) -> Result<Graph, BuildError> {
+    if frames == 0 {
+        return Err(BuildError::Config("an audio clip of no frames".into()));
+    }
+    let (h, heads, hd) = (ac.hidden, ac.heads, ac.head_dim());
+    let eps = ac.eps as f32;
+    let rows = AudioConfig::rows(frames);
+    let mut t = T { g: Graph::new(rows, GraphKind::Prefill), res, clip: ac.clipped, tag: 'a' };
+    let feats = t.g.input("features", InputKind::AudioFeatures, TensorType::f32(&[frames, ac.features]));
+    let mut valid = t.g.input("valid", InputKind::AudioValid, TensorType::u32(&[frames]));
+
+    // subsampling: (mask, 3x3 stride-2 conv, channel LayerNorm, ReLU) twice, then a linear
+    let sc = "audio_tower.subsample_conv_projection";
+    let mut x = t.op("features_3d", None, Op::Reshape { shape: vec![frames, ac.features, 1] }, &[feats])?;
+    for (i, c) in ac.conv_channels.into_iter().enumerate() {
+        let cin = t.g.node(x).ty.last();
+        let m = t.op(&format!("sscp{i}_masked"), None, Op::MaskRows, &[x, valid])?;
+        let w = t.w(&format!("{sc}.layer{i}.conv.weight"), &[c, 3, 3, cin], false, None);
+        let y = t.op(&format!("sscp{i}_conv"), None, Op::Conv2d { stride: 2, pad: 1 }, &[m, w])?;
+        let nw = t.w(&format!("{sc}.layer{i}.norm.weight"), &[c], false, None);
+        let y = t.op(&format!("sscp{i}_norm"), None, Op::LayerNorm { eps }, &[y, nw])?;
+        x = t.op(&format!("sscp{i}"), None, Op::Unary { f: UnaryOp::Relu }, &[y])?;
+        t.g.set_output(&format!("sscp{i}"), x);
+        valid = t.op(&format!("sscp{i}_valid"), None, Op::StridedRows { stride: 2 }, &[valid])?;
+    }
+    t.g.set_output("valid_rows", valid);
+    let s = &t.g.node(x).ty.shape;
+    let flat = s[1] * s[2];
+    let x = t.op("sscp_flat", None, Op::Reshape { shape: vec![rows, flat] }, &[x])?;
+    let mut x = t.linear(x, &format!("{sc}.input_proj_linear"), h, false, None)?;
+    t.g.set_output("subsample", x);
+
+    let norm = |t: &mut T, name: &str, x: NodeIndex, w: &str, l: Option<usize>| t.norm(name, x, Some(w), eps, l);
+    for i in 0..ac.layers {
+        let l = Some(i);
+        let pre = format!("audio_tower.layers.{i}");
+        let ffn = |t: &mut T, x: NodeIndex, ff: &str| -> Result<NodeIndex, BuildError> {
+            let p = format!("{pre}.{ff}");
+            let y = norm(t, &format!("{ff}_pre_norm"), x, &format!("{p}.pre_layer_norm.weight"), l)?;
+            let y = t.linear(y, &format!("{p}.ffw_layer_1"), 4 * h, true, l)?;
+            let y = t.op(&format!("{ff}_silu"), l, Op::Unary { f: UnaryOp::Silu }, &[y])?;
+            let y = t.linear(y, &format!("{p}.ffw_layer_2"), h, true, l)?;
+            let y = norm(t, &format!("{ff}_post_norm"), y, &format!("{p}.post_layer_norm.weight"), l)?;
+            let y = t.op(&format!("{ff}_scaled"), l, Op::Unary { f: UnaryOp::Scale { factor: ac.residual_weight } }, &[y])?;
+            t.op(&format!("{ff}_residual"), l, Op::Binary { f: BinaryOp::Add }, &[x, y])
+        };
+        x = ffn(&mut t, x, "feed_forward1")?;
+
+        let a = norm(&mut t, "pre_attn_norm", x, &format!("{pre}.norm_pre_attn.weight"), l)?;
+        let mut qkv = vec![];
+        for n in ["q", "k", "v"] {
+            let y = t.linear(a, &format!("{pre}.self_attn.{n}_proj"), h, true, l)?;
+            qkv.push(t.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![rows, heads, hd] }, &[y])?);
+        }
+        let pds = t.w(&format!("{pre}.self_attn.per_dim_scale"), &[hd], false, l);
+        let rel = t.w(&format!("{pre}.self_attn.relative_k_proj"), &[h, h], true, l);
+        let o = t.op("attention", l, Op::AudioAttention { window: ac.window, softcap: ac.logit_cap }, &[qkv[0], qkv[1], qkv[2], valid, pds, rel])?;
+        let o = t.op("attn_flat", l, Op::Reshape { shape: vec![rows, h] }, &[o])?;
+        let o = t.linear(o, &format!("{pre}.self_attn.post"), h, true, l)?;
+        let o = norm(&mut t, "post_attn_norm", o, &format!("{pre}.norm_post_attn.weight"), l)?;
+        let y = t.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
+        x = t.op("attn_masked", l, Op::MaskRows, &[y, valid])?;
+
+        let lc = format!("{pre}.lconv1d");
+        let y = norm(&mut t, "lconv_pre_norm", x, &format!("{lc}.pre_layer_norm.weight"), l)?;
+        let y = t.linear(y, &format!("{lc}.linear_start"), 2 * h, true, l)?;
+        let y = t.op("glu", l, Op::Glu, &[y])?;
+        let cw = t.w(&format!("{lc}.depthwise_conv1d.weight"), &[h, ac.conv_kernel, 1], false, l);
+        let y = t.op("depthwise_conv1d", l, Op::DepthwiseConv1d, &[y, cw])?;
+        let y = norm(&mut t, "conv_norm", y, &format!("{lc}.conv_norm.weight"), l)?;
+        let y = t.op("lconv_silu", l, Op::Unary { f: UnaryOp::Silu }, &[y])?;
+        let y = t.linear(y, &format!("{lc}.linear_end"), h, true, l)?;
+        x = t.op("lconv_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, y])?;
+
+        x = ffn(&mut t, x, "feed_forward2")?;
+        x = norm(&mut t, "out_norm", x, &format!("{pre}.norm_out.weight"), l)?;
+        t.g.set_output(&format!("block{i}"), x);
+    }
+
+    let y = t.linear(x, "audio_tower.output_proj", ac.output_dims, false, None)?;
+    let b = t.w("audio_tower.output_proj.bias", &[ac.output_dims], false, None);
+    let y = t.op("output_bias", None, Op::Binary { f: BinaryOp::Add }, &[y, b])?;
+    let enc = t.op("encoder", None, Op::MaskRows, &[y, valid])?;
+    t.g.set_output("encoder", enc);
+    let s = t.norm("soft_norm", enc, None, eps, None)?;
+    let soft = t.linear(s, "embed_audio.embedding_projection", ac.text_hidden, false, None)?;
     finish(t, soft)
 }

@@ -60,7 +60,7 @@ pub struct VisionConfig {
     pub tokens_per_image: usize,
 }
 
-fn get_usize(m: &Map<String, Value>, k: &str, d: usize, field: &str) -> Result<usize, ConfigError> {
+pub(crate) fn get_usize(m: &Map<String, Value>, k: &str, d: usize, field: &str) -> Result<usize, ConfigError> {
     match m.get(k) {
         None | Some(Value::Null) => Ok(d),
         Some(v) => v
@@ -71,7 +71,7 @@ fn get_usize(m: &Map<String, Value>, k: &str, d: usize, field: &str) -> Result<u
     }
 }
 
-fn get_f64(m: &Map<String, Value>, k: &str, d: f64, field: &str) -> Result<f64, ConfigError> {
+pub(crate) fn get_f64(m: &Map<String, Value>, k: &str, d: f64, field: &str) -> Result<f64, ConfigError> {
     match m.get(k) {
         None | Some(Value::Null) => Ok(d),
         Some(v) => v

@@ -11,7 +11,7 @@ use markbase_graph::ir::{InputKind, NodeKind, StateKind};
 use markbase_graph::ops::Op;
 use markbase_graph::passes::Compiled;
 
-use crate::cpu::{ops, vision_ops};
+use crate::cpu::{audio_ops, ops, vision_ops};
 use crate::quant;
 use crate::weights::Weights;
 
@@ -113,6 +113,9 @@ pub struct StepInputs<'a> {
     /// Per token, the last position it attends to (graphs with attention bounds, see
     /// `InputKind::AttnPositions`): its image span's last position, else its own.
     pub attend_until: &'a [u32],
+    /// Log-mel features `[T, F]` and each frame's validity (audio tower graphs).
+    pub features: &'a [f32],
+    pub audio_valid: &'a [u32],
 }
 
 /// The attention bounds input of a step: the positions, then `attend_until`.
@@ -150,9 +153,11 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     r.resize(node.ty.numel(), 0);
                     Val::U(Arc::new(r))
                 }
-                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex => {
+                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex | InputKind::AudioFeatures | InputKind::AudioValid => {
                     let n = node.ty.numel();
                     match input {
+                        InputKind::AudioFeatures if step.features.len() == n => Val::F(Arc::new(step.features.to_vec())),
+                        InputKind::AudioValid if step.audio_valid.len() == n => Val::U(Arc::new(step.audio_valid.to_vec())),
                         InputKind::Pixels if step.pixels.len() == n => Val::F(Arc::new(step.pixels.to_vec())),
                         InputKind::PatchX if step.patch_x.len() == n => Val::U(Arc::new(step.patch_x.to_vec())),
                         InputKind::PatchY if step.patch_y.len() == n => Val::U(Arc::new(step.patch_y.to_vec())),
@@ -433,6 +438,45 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let v = g.node(ins[0]).ty.shape[1];
                         let last = &l.f()[l.f().len() - v..];
                         Val::U(Arc::new(vec![ops::argmax(last)]))
+                    }
+                    Op::Conv2d { stride, pad } => {
+                        let x = get(&vals, ins[0]);
+                        let wt = weight_or_value(g, w, &vals, ins[1])?;
+                        let (xs, ws) = (&g.node(ins[0]).ty.shape, &g.node(ins[1]).ty.shape);
+                        audio_ops::conv2d(x.f(), (xs[0], xs[1], xs[2]), &wt, (ws[0], ws[1], ws[2]), *stride, *pad, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::MaskRows => {
+                        let (x, valid) = (get(&vals, ins[0]), get(&vals, ins[1]));
+                        audio_ops::mask_rows(x.f(), valid.u(), node.ty.numel() / node.ty.shape[0], &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::StridedRows { stride } => {
+                        let xs = &g.node(ins[0]).ty;
+                        let row = xs.numel() / xs.shape[0];
+                        match get(&vals, ins[0]) {
+                            Val::F(x) => Val::F(Arc::new(audio_ops::strided_rows(&x, row, *stride))),
+                            Val::U(x) => Val::U(Arc::new(audio_ops::strided_rows(&x, row, *stride))),
+                        }
+                    }
+                    Op::Glu => {
+                        let x = get(&vals, ins[0]);
+                        audio_ops::glu(x.f(), node.ty.last(), &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::DepthwiseConv1d => {
+                        let x = get(&vals, ins[0]);
+                        let wt = weight_or_value(g, w, &vals, ins[1])?;
+                        audio_ops::depthwise_conv1d(x.f(), node.ty.last(), &wt, g.node(ins[1]).ty.shape[1], &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::AudioAttention { window, softcap } => {
+                        let (q, k, v, valid) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]), get(&vals, ins[3]));
+                        let pds = weight_or_value(g, w, &vals, ins[4])?;
+                        let rel = weight_or_value(g, w, &vals, ins[5])?;
+                        let (heads, d) = (node.ty.shape[1], node.ty.shape[2]);
+                        audio_ops::audio_attention(q.f(), k.f(), v.f(), valid.u(), &pds, &rel, heads, d, *window, *softcap, &mut out);
+                        Val::F(Arc::new(out))
                     }
                 }
             }

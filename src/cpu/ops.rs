@@ -21,6 +21,8 @@ pub fn unary(f: UnaryOp, x: &[f32], out: &mut [f32]) {
             UnaryOp::Scale { factor } => v * factor,
             UnaryOp::Gelu => gelu(v),
             UnaryOp::Softcap { cap } => softcap(v, cap),
+            UnaryOp::Relu => v.max(0.0),
+            UnaryOp::Silu => v / (1.0 + (-v).exp()),
         };
     }
 }

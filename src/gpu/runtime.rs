@@ -452,8 +452,10 @@ impl GpuExecutor {
                     r.resize(n, 0);
                     q.write_buffer(b, 0, bytemuck::cast_slice(&r));
                 }
-                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex => {
+                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex | InputKind::AudioFeatures | InputKind::AudioValid => {
                     let bytes: &[u8] = match kind {
+                        InputKind::AudioFeatures => bytemuck::cast_slice(step.features),
+                        InputKind::AudioValid => bytemuck::cast_slice(step.audio_valid),
                         InputKind::Pixels => bytemuck::cast_slice(step.pixels),
                         InputKind::PatchX => bytemuck::cast_slice(step.patch_x),
                         InputKind::PatchY => bytemuck::cast_slice(step.patch_y),

@@ -1,20 +1,22 @@
 //! The vision tower and projector of a multimodal checkpoint: its configuration, the check of
 //! every tensor it needs (the same diagnostics as the text model's, grouped by tower block),
-//! loading them (any MLX quantization, or float beside a quantized text model), and the audio
-//! tower's tensors, listed but not used.
+//! loading them (any MLX quantization, or float beside a quantized text model); the same for
+//! Gemma 4's audio tower and its projector.
 
 use std::collections::HashSet;
 
 use markbase_graph::builder::WeightResolver;
 use markbase_graph::ir::WeightParam;
-use markbase_graph::tower::{build_gemma4_tower, build_siglip_tower, GEMMA3_PROJECTOR, GEMMA3_PROJECTOR_LINEAR, POSITION_TABLE, SIGLIP_PATCH};
+use markbase_graph::audio::{audio_tower_params, AudioConfig};
+use markbase_graph::tower::{build_gemma4_audio_tower, build_gemma4_tower, build_siglip_tower, GEMMA3_PROJECTOR, GEMMA3_PROJECTOR_LINEAR, POSITION_TABLE, SIGLIP_PATCH};
 use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
 use markbase_graph::{Graph, WeightFormat};
 
 use super::{Checkpoint, LoadError, Part, Problem, Report, Severity, TensorInfo};
 use crate::weights::Weights;
 
-/// Prefixes of the audio tower's tensors (not supported yet: listed, never fatal).
+/// Prefixes of the audio tower's tensors (not part of the vision check: listed, never fatal
+/// there; [`Checkpoint::check_audio`] checks them).
 const AUDIO: [&str; 2] = ["audio_tower.", "embed_audio."];
 
 /// Tensors the tower graphs read that are views of a stored one: the x and y halves of Gemma
@@ -79,7 +81,8 @@ pub struct TowerSummary {
     pub vision_storage: Vec<String>,
     /// Soft tokens per image (Gemma 4: the default budget).
     pub soft_tokens: usize,
-    /// Audio tower tensors, listed (audio is not supported).
+    /// Audio tower tensors, listed (audio input is not supported by the engine yet; the tower
+    /// itself loads: [`Checkpoint::load_audio_tower`]).
     pub audio_tensors: Vec<String>,
 }
 
@@ -167,7 +170,48 @@ impl Checkpoint {
 
     /// Checks and copies the weights of a tower graph (see [`tower_graph`](Self::tower_graph)).
     pub fn load_tower(&self, vc: &VisionConfig, graph: &Graph) -> Result<(Weights, Report), LoadError> {
-        let pre = Self::block_prefix(vc);
+        self.load_graph_weights(Self::block_prefix(vc), graph)
+    }
+
+    /// The audio tower's configuration (`None`: no `audio_config`, or a family whose audio
+    /// tower is not supported).
+    pub fn audio_config(&self) -> Result<Option<AudioConfig>, LoadError> {
+        AudioConfig::from_value(self.config_json(), self.config()).map_err(|e| LoadError::Config { path: self.dir().join("config.json"), msg: e.to_string() })
+    }
+
+    /// Checks every tensor of the audio tower and its projector: missing, mis-shaped,
+    /// mis-typed (by block, all at once); audio tensors the tower does not use are warnings.
+    pub fn check_audio(&self, ac: &AudioConfig) -> Report {
+        let pre = "audio_tower.";
+        let mut r = Report::new(self.dir(), pre);
+        let res = TowerResolver(self);
+        let mut used = HashSet::new();
+        for p in audio_tower_params(ac) {
+            let wp = WeightParam { format: res.format(&p.name, &p.shape, p.module), name: p.name, shape: p.shape, module: p.module };
+            self.check_param(&self.tower_index, pre, &wp, &mut used, &mut r);
+        }
+        for name in self.audio_tensors() {
+            if let Some(d) = self.tower_index.get(name).and_then(|t| t.defect.as_ref()) {
+                r.push(Problem::tensor(Severity::Error, name, pre, d.message.clone()));
+            } else if !used.contains(name) {
+                r.push(Problem::tensor(Severity::Warning, name, pre, "unexpected tensor ignored: not used by the audio tower"));
+            }
+        }
+        r
+    }
+
+    /// The graph of Gemma 4's audio tower over `frames` log-mel frames.
+    pub fn audio_tower_graph(&self, ac: &AudioConfig, frames: usize) -> Result<Graph, LoadError> {
+        build_gemma4_audio_tower(ac, &TowerResolver(self), frames).map_err(|e| LoadError::Build(e.to_string()))
+    }
+
+    /// Checks and copies the weights of an audio tower graph (see
+    /// [`audio_tower_graph`](Self::audio_tower_graph)).
+    pub fn load_audio_tower(&self, graph: &Graph) -> Result<(Weights, Report), LoadError> {
+        self.load_graph_weights("audio_tower.", graph)
+    }
+
+    fn load_graph_weights(&self, pre: &str, graph: &Graph) -> Result<(Weights, Report), LoadError> {
         let mut r = Report::new(self.dir(), pre);
         let mut used = HashSet::new();
         let mut params: Vec<&WeightParam> = vec![];

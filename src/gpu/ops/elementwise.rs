@@ -87,6 +87,8 @@ impl ElementwiseParams {
             UnaryOp::Scale { factor } => (0, factor),
             UnaryOp::Gelu => (1, 0.0),
             UnaryOp::Softcap { cap } => (2, cap),
+            UnaryOp::Relu => (3, 0.0),
+            UnaryOp::Silu => (4, 0.0),
         };
         ElementwiseParams { n: n as u32, nb: 1, op, f: v, ..Default::default() }
     }

@@ -232,8 +232,40 @@ impl<'a> LowerCtx<'a> {
     }
 }
 
+/// An op the CPU reference executor runs but no WGSL kernel lowers yet (the audio tower's).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("node %{node} {name}: op `{op}` has no GPU lowering (only the CPU executor runs it)")]
+pub struct UnsupportedOp {
+    pub node: u32,
+    pub name: String,
+    pub op: &'static str,
+}
+
+/// Names of the ops (`Op::name`) that no WGSL kernel lowers yet: the GPU executor refuses
+/// graphs holding them with an [`UnsupportedOp`].
+pub const CPU_ONLY_OPS: [&str; 6] = ["conv2d", "mask_rows", "strided_rows", "glu", "depthwise_conv1d", "audio_attention"];
+
+/// Whether the GPU executor lowers `op`.
+pub fn gpu_lowers(op: &Op) -> bool {
+    !CPU_ONLY_OPS.contains(&op.name())
+}
+
+/// The first node of `g` the GPU executor cannot lower, in graph order.
+pub fn unsupported_op(g: &Graph) -> Option<UnsupportedOp> {
+    g.order().into_iter().find_map(|n| {
+        let node = g.node(n);
+        match &node.kind {
+            markbase_graph::NodeKind::Op { op } if !gpu_lowers(op) => Some(UnsupportedOp { node: node.id, name: node.name.clone(), op: op.name() }),
+            _ => None,
+        }
+    })
+}
+
 /// Lowers the node of `cx` to its dispatches: the op's family does it.
 pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
+    if !gpu_lowers(cx.op) {
+        return Err(UnsupportedOp { node: cx.node.id, name: cx.node.name.clone(), op: cx.op.name() }.to_string());
+    }
     match cx.op {
         Op::Reshape { .. } => Ok(()),
         Op::Embed { .. } => embed::lower(cx),
@@ -247,5 +279,8 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Slice { .. } => copy::lower(cx),
         Op::Argmax | Op::Sample => argmax::lower(cx),
         Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } | Op::Scatter => vision::lower(cx),
+        Op::Conv2d { .. } | Op::MaskRows | Op::StridedRows { .. } | Op::Glu | Op::DepthwiseConv1d | Op::AudioAttention { .. } => {
+            Err(cx.fail(format!("{} has no GPU lowering", cx.op.name())))
+        }
     }
 }
