@@ -64,7 +64,11 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
     let xb = gpu.upload_f32("x", &x);
     for ((label, kk, coop), hilo) in ks.iter().flat_map(|k| [(k, true), (k, false)]) {
         let chosen = kk.matmul_rows(fmt, k, n, t, false).unwrap();
-        assert_eq!(chosen.spec, KernelSpec::GemmF16 { fmt, coop: *coop, xvec: k % 4 == 0, hilo: true }, "{label}: the f16 GEMM is chosen");
+        if n * k >= markbase::gpu::ops::gemm_f16::min_weight() {
+            assert_eq!(chosen.spec, KernelSpec::GemmF16 { fmt, coop: *coop, xvec: k % 4 == 0, hilo: true }, "{label}: the f16 GEMM is chosen");
+        } else {
+            assert!(matches!(chosen.spec, KernelSpec::Gemm { .. }), "{label}: a small weight takes the f32 GEMM, not {:?}", chosen.spec);
+        }
         let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, xvec: k % 4 == 0, hilo }).unwrap();
         let bound = if hilo { HILO_BOUND } else { BOUND };
         let y = gpu.storage("y", (t * n * 4) as u64);
@@ -127,4 +131,6 @@ fn gemm_f16_several_tiles_and_huge_activations() {
     // would hold Inf)
     case(&gpu, &ks, &mut r, q4, 130, 512, 40, 2, &[2.0, 1e5, 7e5, 1e6]);
     case(&gpu, &ks, &mut r, GpuFormat::Mxfp4, 64, 256, 9, 1, &[1e6, 40000.0, 65504.0]);
+    // a weight as large as the f16 GEMM's threshold: chosen where it is on
+    case(&gpu, &ks, &mut r, q4, 2048, 2048, 9, 1, &[1.0]);
 }

@@ -22,6 +22,16 @@ pub fn hilo() -> bool {
     crate::gpu::kernels::env_on("MARKBASE_COOP_HILO")
 }
 
+/// Weights of fewer elements take the f32 GEMM even where the f16 one is on: on small weights
+/// the row-scale dispatch and the hi/lo staging cost more than the tensor cores save. With 4M
+/// (H100, pp512): gemma3-270m 41,100 -> 43,200-46,800 tok/s, gemma3-1b 13,600 -> 14,500, gemma4-e2b
+/// 6,190 -> 6,330; the 12B's weights are all above it. `MARKBASE_COOP_MIN` sets it.
+pub fn min_weight() -> usize {
+    std::env::var("MARKBASE_COOP_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_WEIGHT)
+}
+
+const MIN_WEIGHT: usize = 4 << 20;
+
 /// Tokens and rows of one workgroup's tile.
 pub const TILE_T: usize = 64;
 pub const TILE_N: usize = 128;

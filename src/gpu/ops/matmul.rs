@@ -414,7 +414,7 @@ impl Kernels {
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
-            if self.opts.coop != CoopMode::Off {
+            if self.opts.coop != CoopMode::Off && n.is_none_or(|n| n * k >= gemm_f16::min_weight()) {
                 return Ok(KernelSpec::GemmF16 { fmt, coop: self.opts.coop == CoopMode::Tensor, xvec: k % 4 == 0, hilo: gemm_f16::hilo() });
             }
             let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
