@@ -459,7 +459,9 @@ impl Session {
         }
         let vc = self.engine.vision_or_err()?;
         let p = crate::vision::encode::image_prompt(ids, vc.image_token, images)?;
-        let spans = if vc.kind == TowerKind::Siglip { image_spans(ids, vc.image_token) } else { vec![] };
+        // bidirectional spans (Gemma 3; Gemma 4 26B/31B on sliding layers) are fed whole
+        let bidirectional = vc.kind == TowerKind::Siglip || self.config.vision_spans_sliding;
+        let spans = if bidirectional { image_spans(ids, vc.image_token) } else { vec![] };
         let mut start = 0;
         let mut steps = vec![];
         for n in span_steps(ids.len(), self.engine.chunk, &spans)? {
@@ -562,8 +564,9 @@ impl Session {
     }
 
     /// [`Session::forward`] of `ids` whose image placeholder runs (the model's image token,
-    /// as the processor expands them) take the soft tokens of `images`, in order. Gemma 3:
-    /// each run attends to itself bidirectionally, so that no prefill step ends inside one.
+    /// as the processor expands them) take the soft tokens of `images`, in order. Gemma 3 (and
+    /// Gemma 4 26B/31B on sliding layers): each run attends to itself bidirectionally, so that
+    /// no prefill step ends inside one.
     pub fn forward_with_images(&mut self, ids: &[u32], images: &[SoftTokens], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, Error> {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to process".into()));

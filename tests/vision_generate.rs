@@ -140,3 +140,86 @@ fn gemma3_pan_and_scan_prompt_matches_hf() {
     assert_eq!(toks.len(), 2);
     std::fs::remove_dir_all(&tmp).ok();
 }
+
+/// The Gemma 4 fixture as a 26B/31B-style checkpoint (`use_bidirectional_attention: "vision"`),
+/// copied to a temporary directory.
+fn gemma4_vision_spans() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("markbase-gemma4-spans-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(dir("gemma4")).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+    }
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("config.json")).unwrap()).unwrap();
+    cfg["text_config"]["use_bidirectional_attention"] = "vision".into();
+    std::fs::write(d.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    d
+}
+
+/// Gemma 4 26B/31B (HF: `AND(sliding, OR(causal, same image))`): each image's span sees itself
+/// on sliding layers only. In the graph, the sliding layers' attention reads the attention
+/// bounds and the full-attention layers' the plain positions. The prompt's logits: the text
+/// before the image as the causal model's; inside the span (the last soft token excepted, which
+/// sees no more than causally) different from it; CPU and GPU within 5e-4 of max|logit|; the span
+/// is fed in one step (a step of 16 tokens cannot take it). An unknown value is a config error.
+#[test]
+fn gemma4_large_image_spans_on_sliding_layers() {
+    use markbase::graph::ops::Op;
+    use markbase::graph::BuildOptions;
+    use markbase::loader::Checkpoint;
+    let d = gemma4_vision_spans();
+    let ck = Checkpoint::open(&d).unwrap();
+    assert!(ck.config().vision_spans_sliding);
+    let g = ck.build(BuildOptions { soft_rows: 8, ..BuildOptions::prefill(8, 64) }).unwrap();
+    let mut seen = vec![];
+    for n in g.order() {
+        if let Some(Op::Attention { window, .. }) = g.node(n).op() {
+            let pos = g.node(g.inputs(n)[1]).name.clone();
+            let want = if window.is_some() { "attn_positions" } else { "positions" };
+            assert_eq!(pos, want, "layer {:?} (window {window:?}) reads {pos}", g.node(n).layer);
+            seen.push(window.is_some());
+        }
+    }
+    assert!(seen.contains(&true) && seen.contains(&false), "both kinds of layers: {seen:?}");
+
+    let logits = |path: &PathBuf, device: DeviceKind, chunk: usize| {
+        let o = ModelOptions { device, prefill_chunk: chunk, max_context: 128, ..Default::default() };
+        let mut m = Model::load(path, o).unwrap();
+        let p = m.prompt(&parts("gemma4"), true).unwrap();
+        (m.forward_with_images(&p.ids, &p.images, true, None).map(|o| o.logits.unwrap()), p.ids)
+    };
+    let (causal, ids) = logits(&dir("gemma4"), DeviceKind::Cpu, 128);
+    let causal = causal.unwrap();
+    let (cpu, _) = logits(&d, DeviceKind::Cpu, 128);
+    let cpu = cpu.unwrap();
+    let (gpu, _) = logits(&d, DeviceKind::Gpu(None), 128);
+    let gpu = gpu.unwrap();
+    let v = cpu.len() / ids.len();
+    let image = Model::load(&d, ModelOptions { device: DeviceKind::Cpu, max_context: 128, ..Default::default() }).unwrap().engine().vision_config().unwrap().image_token;
+    let (a, b) = (ids.iter().position(|&t| t == image).unwrap(), ids.iter().rposition(|&t| t == image).unwrap() + 1);
+    let row = |x: &[f32], p: usize| x[p * v..(p + 1) * v].to_vec();
+    let diff = |x: &[f32], y: &[f32]| x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    for p in 0..a {
+        assert_eq!(row(&cpu, p), row(&causal, p), "position {p}, before the image");
+    }
+    let inside = (a..b - 1).filter(|&p| diff(&row(&cpu, p), &row(&causal, p)) > 1e-3).count();
+    println!("{} of the span's first {} positions differ from the causal model's", inside, b - 1 - a);
+    assert_eq!(inside, b - 1 - a, "every image token but the last sees later ones on the sliding layer");
+    let mx = cpu.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let e = diff(&gpu, &cpu) / mx;
+    println!("GPU against CPU: {e:.2e} of max|logit|");
+    assert!(e <= 5e-4, "GPU against CPU: {e:.2e} of max|logit|");
+    // the span is fed whole: steps of 16 cannot take its tokens
+    let (small, _) = logits(&d, DeviceKind::Cpu, 16);
+    let e = small.unwrap_err().to_string();
+    assert!(e.contains("does not fit a prefill step of 16"), "{e}");
+
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("config.json")).unwrap()).unwrap();
+    cfg["text_config"]["use_bidirectional_attention"] = "all".into();
+    std::fs::write(d.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let e = Model::load(&d, ModelOptions { device: DeviceKind::Cpu, ..Default::default() }).err().unwrap().to_string();
+    assert!(e.contains("use_bidirectional_attention") && e.contains("not supported"), "{e}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

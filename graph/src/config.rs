@@ -89,6 +89,10 @@ pub struct ModelConfig {
     pub global_head_dim: usize,
     pub num_global_kv_heads: Option<usize>,
     pub attention_k_eq_v: bool,
+    /// Gemma 4 26B/31B (`use_bidirectional_attention: "vision"`): the tokens of each image's
+    /// placeholder run see each other on sliding layers (HF: `AND(sliding, OR(causal, same
+    /// block))`); full-attention layers stay causal. E2B/E4B: off (`null`).
+    pub vision_spans_sliding: bool,
     pub num_kv_shared_layers: usize,
     pub use_double_wide_mlp: bool,
     pub hidden_size_per_layer_input: usize,
@@ -384,6 +388,7 @@ impl ModelConfig {
             global_head_dim: 0,
             num_global_kv_heads: None,
             attention_k_eq_v: false,
+            vision_spans_sliding: false,
             num_kv_shared_layers: 0,
             use_double_wide_mlp: false,
             hidden_size_per_layer_input: 0,
@@ -488,6 +493,14 @@ impl ModelConfig {
         }
         c.attn_scale = 1.0;
         c.attention_k_eq_v = f.bool_or("attention_k_eq_v", false)?;
+        c.vision_spans_sliding = match f.get("use_bidirectional_attention") {
+            None | Some(Value::Bool(false)) => false,
+            Some(Value::String(s)) if s == "vision" => true,
+            Some(v) => {
+                let msg = format!("{v} is not supported (null or \"vision\": image spans on sliding layers)");
+                return Err(field_err(&f.name("use_bidirectional_attention"), msg));
+            }
+        };
         c.num_kv_shared_layers = f.usize_or("num_kv_shared_layers", 20)?;
         c.use_double_wide_mlp = f.bool_or("use_double_wide_mlp", true)?;
         c.hidden_size_per_layer_input = f.usize_or("hidden_size_per_layer_input", 256)?;

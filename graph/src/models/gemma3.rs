@@ -7,7 +7,7 @@ use crate::config::ModelConfig;
 use crate::ir::{BuildError, Graph};
 use crate::ops::{NormScale, Op};
 
-use super::{rope_op, B};
+use super::{rope_op, Spans, B};
 
 pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
     let (h, nq, d) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim);
@@ -19,7 +19,7 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
     let scale = round_bf16((h as f32).sqrt());
     let mut x = b.op("embed", None, Op::Embed { scale, clamp: None }, &[tokens, emb])?;
     // image soft tokens unscaled; each image's span attends to itself bidirectionally (HF)
-    x = b.soft_rows(x, o, true)?;
+    x = b.soft_rows(x, o, Spans::AllLayers)?;
 
     for i in 0..cfg.num_layers {
         let l = Some(i);

@@ -10,7 +10,7 @@ use crate::ir::{BuildError, Graph};
 use crate::ops::{NormScale, Op};
 use petgraph::graph::NodeIndex;
 
-use super::{rope_op, B};
+use super::{rope_op, Spans, B};
 
 pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> Result<Graph, BuildError> {
     let t = o.tokens;
@@ -24,8 +24,8 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
     let emb = b.w("embed_tokens", None, &[cfg.vocab_size, h], true);
     let mut x = b.op("embed", None, Op::Embed { scale: k_const((h as f32).sqrt()), clamp: None }, &[tokens, emb])?;
     // image soft tokens take their rows, unscaled (the PLE projection reads the merged rows);
-    // E2B/E4B decoders stay causal over them
-    x = b.soft_rows(x, o, false)?;
+    // E2B/E4B decoders stay causal over them, 26B/31B's sliding layers see each image's span
+    x = b.soft_rows(x, o, if cfg.vision_spans_sliding { Spans::SlidingLayers } else { Spans::Off })?;
 
     // Per-layer inputs: [T, L, Pd], one slice per layer.
     let pli = if pd > 0 {

@@ -21,9 +21,22 @@ pub(crate) struct B<'a> {
     prefix: String,
     pub pos: NodeIndex,
     /// What the attention ops read as positions: `pos`, or the attention bounds of a prompt
-    /// with image spans ([`B::image_spans`]).
+    /// with image spans ([`B::soft_rows`]).
     pub attn_pos: NodeIndex,
+    /// Which layers' attention reads `attn_pos` (the others read `pos`).
+    spans: Spans,
     pub eps: f32,
+}
+
+/// Where the tokens of an image's placeholder run see each other (bidirectionally).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spans {
+    /// Nowhere: causal everywhere (Gemma 4 E2B/E4B).
+    Off,
+    /// On every layer (Gemma 3).
+    AllLayers,
+    /// On sliding layers only (Gemma 4 26B/31B); full-attention layers stay causal.
+    SlidingLayers,
 }
 
 impl<'a> B<'a> {
@@ -33,21 +46,22 @@ impl<'a> B<'a> {
         let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[o.tokens]));
         let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[o.tokens]));
         let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
-        (B { g, cfg, res, prefix, pos, attn_pos: pos, eps: cfg.rms_norm_eps as f32 }, tokens)
+        (B { g, cfg, res, prefix, pos, attn_pos: pos, spans: Spans::Off, eps: cfg.rms_norm_eps as f32 }, tokens)
     }
 
     /// Image soft-token rows merged into the embeddings `x` (inputs `soft_rows` `[N, D]` and
-    /// `soft_index` `[T]`, the rows as they are); with `spans`, the attention ops read the
+    /// `soft_index` `[T]`, the rows as they are); where `spans` says, the attention ops read the
     /// attention bounds input, so that the tokens of an image span see each other.
-    pub fn soft_rows(&mut self, x: NodeIndex, o: &BuildOptions, spans: bool) -> Result<NodeIndex, BuildError> {
+    pub fn soft_rows(&mut self, x: NodeIndex, o: &BuildOptions, spans: Spans) -> Result<NodeIndex, BuildError> {
         if o.soft_rows == 0 {
             return Ok(x);
         }
         let (t, h) = (o.tokens, self.cfg.hidden_size);
         let rows = self.g.input("soft_rows", InputKind::SoftRows, TensorType::f32(&[o.soft_rows, h]));
         let idx = self.g.input("soft_index", InputKind::SoftIndex, TensorType::u32(&[t]));
-        if spans {
+        if spans != Spans::Off {
             self.attn_pos = self.g.input("attn_positions", InputKind::AttnPositions, TensorType::u32(&[2, t]));
+            self.spans = spans;
         }
         self.op("merge_soft_rows", None, Op::Scatter, &[x, rows, idx])
     }
@@ -187,7 +201,8 @@ impl<'a> B<'a> {
     pub fn attention_block(&mut self, i: usize, x: NodeIndex, q: NodeIndex, (kc, vc): (NodeIndex, NodeIndex), conv: NormScale) -> Result<NodeIndex, BuildError> {
         let (l, cfg) = (Some(i), self.cfg);
         let window = if cfg.layer_types[i] == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
-        let a = self.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, self.attn_pos, kc, vc])?;
+        let pos = if self.spans == Spans::SlidingLayers && window.is_none() { self.pos } else { self.attn_pos };
+        let a = self.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, pos, kc, vc])?;
         let qs = self.g.node(a).ty.shape.clone();
         let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;
         let a = self.linear("o_proj", l, a, &format!("layers.{i}.self_attn.o_proj"), cfg.hidden_size)?;
