@@ -230,6 +230,10 @@ enum Cmd {
         /// hold each image's run, in order, as the HF processor writes them); repeatable.
         #[arg(long = "image")]
         images: Vec<PathBuf>,
+        /// An audio clip whose soft tokens fill the next run of audio placeholders in
+        /// --tokens; repeatable.
+        #[arg(long = "audio")]
+        audio: Vec<PathBuf>,
     },
     /// Write the soft-token embeddings of images and audio clips (after the projector,
     /// `[N, D_text]` f32) as .npy.
@@ -364,14 +368,14 @@ fn main() -> ExitCode {
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
         Cmd::Serve(args) => markbase::server::serve(args),
-        Cmd::Logits { run, tokens, out: path, last, top, images } if !images.is_empty() => (|| {
+        Cmd::Logits { run, tokens, out: path, last, top, images, audio } if !images.is_empty() || !audio.is_empty() => (|| {
             let t = cli::parse_tokens(&tokens)?;
             if last || top.is_some() {
-                return Err("with --image, logits writes every position's logits (no --last or --top)".to_string());
+                return Err("with --image or --audio, logits writes every position's logits (no --last or --top)".to_string());
             }
             let file = cli::OutFile::check(path.as_deref().unwrap_or(std::path::Path::new("logits.npy")))?;
             let device = cli::parse_device(run.backend.as_deref())?;
-            let (logits, vocab) = markbase::vision::encode::logits_with_images(&run.model, &t, &images, device, run.check_nan)?;
+            let (logits, vocab) = markbase::vision::encode::logits_with_soft(&run.model, &t, &images, &audio, device, run.check_nan)?;
             file.write_f32(&[t.len(), vocab], &logits)
         })(),
         Cmd::Logits { run, tokens, out: path, last, top, .. } => (|| {

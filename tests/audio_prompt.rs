@@ -5,13 +5,20 @@
 //! and every kind of bad input, each a typed error.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use markbase::audio::encode::AudioEncoder;
 use markbase::audio::{self, Features, LoadOptions};
+use markbase::cpu::exec::{self, CpuState, CpuWeights, StepInputs};
+use markbase::loader::Checkpoint;
 use markbase::model::{DeviceKind, GenerateParams, Model, ModelOptions};
+use markbase::vision::encode::soft_prompt;
 use markbase::vision::load_image;
 use markbase::vision::prompt::Part;
 use markbase::Error;
+
+#[path = "common/prompt_graph.rs"]
+mod prompt_graph;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm/gemma4")
@@ -101,6 +108,27 @@ fn image_and_clip_prompt_matches_mlx_vlm_on_the_cpu() {
 #[test]
 fn image_and_clip_prompt_matches_mlx_vlm_on_the_gpu() {
     check_reference(DeviceKind::Gpu(None), 32);
+}
+
+/// The decoder's input of the reference turn (the prompt's graph with its merge node as an
+/// output): text rows scaled by sqrt(D), image and audio rows their soft tokens as they are.
+#[test]
+fn merged_embeddings_match_mlx_vlm() {
+    let cp = Checkpoint::open(dir()).unwrap();
+    let m = load(DeviceKind::Cpu, 128, 128);
+    let mut soft = m.encode_images(&[load_image(&dir().join("square.png")).unwrap()]).unwrap();
+    soft.push(AudioEncoder::open(&dir(), DeviceKind::Cpu, false).unwrap().encode_features(&ref_features()).unwrap());
+    let ids = ids("audio_chat_ids");
+    let p = soft_prompt(&ids, &m.engine().placeholders(), &soft).unwrap();
+    let t = ids.len();
+    let (c, w) = prompt_graph::merged_graph(&cp, t, p.soft_rows.len() / cp.config().hidden_size, None);
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let until = p.attend_until(0);
+    let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, attend_until: &until, ..Default::default() };
+    let out = exec::run(&c, &mut CpuWeights::new(Arc::new(w)), &mut CpuState::default(), &step).unwrap();
+    let e = rel_err(out["merged"].f(), &f32s("audio_merged_embeds"));
+    println!("merged embeddings: {e:.2e} of max");
+    assert!(e <= 3e-5, "merged embeddings: {e:.2e}");
 }
 
 /// The library's chat prompt of the WAV file itself: the ids are HF's processing of the turn,

@@ -555,7 +555,8 @@ fn audio_turn_next_token() -> String {
     format!("w{id}")
 }
 
-/// `generate --audio`, `chat` with `--audio` and `/audio`, and `encode --audio`: the tiny
+/// `generate --audio`, `chat` with `--audio` and `/audio`, `encode --audio` and `logits
+/// --audio`: the tiny
 /// Gemma 4 fixture's chat turn of the reference (the square image, `w23 w31`, the clip)
 /// continues with the reference's next token.
 #[test]
@@ -578,6 +579,17 @@ fn generate_chat_and_encode_with_audio() {
     assert!(ok && err.contains("soft tokens per clip [6]"), "{err}");
     let a = markbase::npy::read_f32(&npy).unwrap();
     assert_eq!(a.shape, [70, 64]);
+    // logits of the reference's ids, the image's and the clip's runs filled
+    let ids = markbase::npy::read_i32(&root().join(VLM4).join("ref/audio_chat_ids.npy")).unwrap().data;
+    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    let (ok, _, err) = run(&["logits", "-m", VLM4, "--backend", "cpu", "--tokens", &ids.join(","), "--image", &sq, "--audio", CLIP, "--out", npy.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let got = markbase::npy::read_f32(&npy).unwrap().data;
+    let want = markbase::npy::read_f32(&root().join(VLM4).join("ref/audio_logits.npy")).unwrap().data;
+    let mx = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / mx;
+    assert!(got.len() == want.len() && e <= 5e-4, "logits --audio: {e:.2e} of max |logit|");
+    fails_with(&["logits", "-m", VLM4, "--backend", "cpu", "--tokens", "2,503,5", "--audio", CLIP, "--out", npy.to_str().unwrap()], "1 audio placeholders");
     let _ = std::fs::remove_file(&npy);
 }
 

@@ -9,13 +9,14 @@ use std::sync::Arc;
 
 use markbase::cpu::exec::{self, CpuState, CpuWeights, StepInputs};
 use markbase::exec::{Executor, GraphKey};
-use markbase::graph::passes::{compile, PhasePolicy};
-use markbase::graph::BuildOptions;
 use markbase::gpu::runtime::GpuExecutor;
 use markbase::loader::Checkpoint;
 use markbase::model::DeviceKind;
 use markbase::vision::encode::{soft_prompt, ImageEncoder, Modality, Placeholders, SoftTokens};
 use markbase::vision::load_image;
+
+#[path = "common/prompt_graph.rs"]
+mod prompt_graph;
 
 fn dir_of(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm").join(family)
@@ -60,14 +61,7 @@ pub fn two_image_prompt(family: &str, planted: Option<&dyn Fn(&mut markbase::gra
     let p = soft_prompt(&ids, &Placeholders { image: Some(vc.image_token), audio: None }, &soft).unwrap();
     let t = ids.len();
     let n = p.soft_rows.len() / vc.text_hidden;
-    let mut g = cp.build(BuildOptions { soft_rows: n, ..BuildOptions::prefill(t, t) }).unwrap();
-    let (w, _) = cp.load_weights(&g).unwrap();
-    if let Some(f) = planted {
-        f(&mut g);
-    }
-    let merge = g.g.node_indices().find(|&i| g.node(i).name == "merge_soft_rows").expect("the merge node");
-    g.set_output("merged", merge);
-    let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
+    let (c, w) = prompt_graph::merged_graph(&cp, t, n, planted);
     let positions: Vec<u32> = (0..t as u32).collect();
     let until = p.attend_until(0);
     let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, attend_until: &until, ..Default::default() };

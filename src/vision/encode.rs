@@ -280,23 +280,38 @@ pub fn soft_prompt(ids: &[u32], ph: &Placeholders, soft: &[SoftTokens]) -> Resul
     Ok(ImagePrompt { tokens, soft_rows, soft_index, span_ends })
 }
 
-/// The logits of every position of `ids` (holding each image's placeholder run, in order)
-/// with the soft tokens of `images` in place: the images encoded, the prompt's graph built with
-/// their rows (Gemma 3: each image's span attending to itself bidirectionally), run once on
-/// `device`. Returns the logits `[T, V]` and V.
-pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
+/// The logits of every position of `ids` (holding each image's and clip's placeholder run, in
+/// order) with the soft tokens of `images` and `clips` in place: the files read first, then
+/// encoded, the prompt's graph built with their rows (Gemma 3: each image's span attending to
+/// itself bidirectionally), run once on `device`. Returns the logits `[T, V]` and V.
+pub fn logits_with_soft(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], clips: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
     let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
-    let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
-    let soft = decoded.iter().map(|img| enc.encode(img)).collect::<Result<Vec<_>, _>>()?;
-    let vc = enc.vision_config().clone();
-    let p = soft_prompt(ids, &Placeholders { image: Some(vc.image_token), audio: None }, &soft)?;
-    let cp = &enc.cp;
+    let samples = crate::cli::read_clips(dir, clips)?;
+    let cp = Checkpoint::open(dir).map_err(|e| e.to_string())?;
+    let mut soft = vec![];
+    let mut ph = Placeholders::default();
+    if !decoded.is_empty() {
+        let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
+        ph.image = Some(enc.vision_config().image_token);
+        for img in &decoded {
+            soft.push(enc.encode(img)?);
+        }
+    }
+    if !samples.is_empty() {
+        let mut enc = crate::audio::AudioEncoder::open(dir, device, check_nan)?;
+        ph.audio = Some(enc.audio_config().audio_token);
+        for s in &samples {
+            soft.push(enc.encode(s)?);
+        }
+    }
+    let p = soft_prompt(ids, &ph, &soft)?;
+    let width = cp.config().hidden_size;
     let t = ids.len();
     let max = cp.config().max_position_embeddings;
     if t > max {
         return Err(format!("{t} tokens exceed the model's {max} positions"));
     }
-    let opts = markbase_graph::BuildOptions { soft_rows: p.soft_rows.len() / vc.text_hidden, ..markbase_graph::BuildOptions::prefill(t, t) };
+    let opts = markbase_graph::BuildOptions { soft_rows: p.soft_rows.len() / width, ..markbase_graph::BuildOptions::prefill(t, t) };
     let g = cp.build(opts).map_err(|e| e.to_string())?;
     let (w, _) = cp.load_weights(&g).map_err(|e| e.to_string())?;
     let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;
