@@ -242,29 +242,6 @@ pub fn read_images(dir: &Path, paths: &[std::path::PathBuf]) -> Result<Vec<RgbIm
     Ok(imgs)
 }
 
-/// Reads audio files as mono clips at the extractor's rate (before any weight is loaded: a
-/// bad file is reported first), for the model in `dir`, which must have an audio tower.
-pub fn read_clips(dir: &Path, paths: &[std::path::PathBuf]) -> Result<Vec<Vec<f32>>, String> {
-    if paths.is_empty() {
-        return Ok(vec![]);
-    }
-    let ck = crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?;
-    crate::audio::encode::audio_config(&ck)?;
-    let cfg = crate::audio::FeatureConfig::from_checkpoint(dir)?;
-    let opts = crate::audio::LoadOptions { rate: cfg.sampling_rate, ..Default::default() };
-    let fx = crate::audio::FeatureExtractor::new(cfg)?;
-    paths
-        .iter()
-        .map(|p| {
-            let c = crate::audio::load(p, &opts)?;
-            // a clip over the model's 30 s is refused now, not after loading
-            fx.extract_clip(&c, crate::audio::LongClips::Refuse).map_err(|e| crate::Error::Audio(format!("{}: {e}", p.display())))?;
-            Ok(c)
-        })
-        .collect::<Result<Vec<_>, crate::Error>>()
-        .map_err(String::from)
-}
-
 /// `markbase generate`: streams the continuation of `prompt` (after `images`, before
 /// `clips`) to stdout.
 pub fn generate(m: &mut Model, prompt: &str, chat: bool, images: &[RgbImage], clips: &[Vec<f32>], o: &GenOptions) -> Result<(), String> {
@@ -346,7 +323,12 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<Rgb
         }
         if let Some(path) = line.strip_prefix("/audio") {
             let path = std::path::PathBuf::from(path.trim());
-            match m.engine().audio_or_err().map_err(String::from).and_then(|_| read_clips(m.engine().dir().unwrap_or(Path::new(".")), std::slice::from_ref(&path))) {
+            let read = || -> Result<Vec<Vec<f32>>, crate::Error> {
+                m.engine().audio_or_err()?;
+                let dir = m.engine().dir().ok_or_else(|| crate::Error::Input("this model was not loaded from a checkpoint".into()))?;
+                crate::audio::encode::read_clips(dir, std::slice::from_ref(&path))
+            };
+            match read() {
                 Ok(c) => {
                     pending_clips.extend(c);
                     eprintln!("[audio {} added to the next turn]", path.display());

@@ -353,14 +353,14 @@ fn main() -> ExitCode {
             o.sampling
                 .validate()
                 .and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref()))
-                .and_then(|text| Ok((text, cli::read_images(&run.model, &images)?, cli::read_clips(&run.model, &audio)?)))
+                .and_then(|text| Ok((text, cli::read_images(&run.model, &images)?, markbase::audio::encode::read_clips(&run.model, &audio)?)))
                 .and_then(|(text, imgs, clips)| load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &imgs, &clips, &o)))
         }
         Cmd::Chat { run, system, images, audio, sample } => {
             let o = sample.options();
             o.sampling
                 .validate()
-                .and_then(|()| Ok((cli::read_images(&run.model, &images)?, cli::read_clips(&run.model, &audio)?)))
+                .and_then(|()| Ok((cli::read_images(&run.model, &images)?, markbase::audio::encode::read_clips(&run.model, &audio)?)))
                 .and_then(|(imgs, clips)| load(&run, true).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref(), imgs, clips)))
         }
         Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, fuse } => fuse.options().and_then(|fuse| {

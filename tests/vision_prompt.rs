@@ -132,7 +132,7 @@ fn image_spans_are_runs_of_image_tokens() {
 fn placeholder_counts_must_match_the_images() {
     let ph = Placeholders { image: Some(9), audio: None };
     let soft = SoftTokens { tokens: 3, width: 2, data: vec![0.5; 6], kind: Modality::Image };
-    let e = soft_prompt(&[2, 9, 9, 5], &ph, &[soft.clone()]).unwrap_err().to_string();
+    let e = soft_prompt(&[2, 9, 9, 5], &ph, std::slice::from_ref(&soft)).unwrap_err().to_string();
     assert!(e.contains("2 image placeholders") && e.contains("3 soft tokens"), "{e}");
     let ok = soft_prompt(&[2, 9, 9, 9, 5], &ph, &[soft]).unwrap();
     assert_eq!(ok.soft_index, vec![0, 1, 2, 3, 0]);

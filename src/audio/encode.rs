@@ -99,22 +99,36 @@ impl AudioEncoder {
 }
 
 /// Encodes audio files with the tower of the checkpoint in `dir`: all rows, their width, and
-/// the soft tokens of each clip. Files are read first: a bad one is reported before any weight
-/// is loaded.
+/// the soft tokens of each clip. Files are read first ([`read_clips`]).
 pub fn encode_files(dir: &Path, clips: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize, Vec<usize>), Error> {
-    let cp = Checkpoint::open(dir)?;
-    audio_config(&cp)?;
-    let opts = LoadOptions { rate: FeatureConfig::from_checkpoint(dir)?.sampling_rate, ..LoadOptions::default() };
-    let samples = clips.iter().map(|p| super::load(p, &opts)).collect::<Result<Vec<_>, _>>()?;
+    let samples = read_clips(dir, clips)?;
     let mut enc = AudioEncoder::open(dir, device, check_nan)?;
     let (mut rows, mut counts) = (vec![], vec![]);
-    for (s, p) in samples.iter().zip(clips) {
-        let soft = enc.encode(s).map_err(|e| match e {
-            Error::Audio(m) => Error::Audio(format!("{}: {m}", p.display())),
-            e => e,
-        })?;
+    for s in &samples {
+        let soft = enc.encode(s)?;
         counts.push(soft.tokens);
         rows.extend(soft.data);
     }
     Ok((rows, enc.ac.text_hidden, counts))
+}
+
+/// Reads audio files as mono clips at the extractor's rate, for the model in `dir`, which must
+/// have an audio tower; a clip over what the model takes (30 s) is refused. What the commands
+/// do before any weight is loaded, so that a bad file is reported first.
+pub fn read_clips(dir: &Path, paths: &[std::path::PathBuf]) -> Result<Vec<Vec<f32>>, Error> {
+    if paths.is_empty() {
+        return Ok(vec![]);
+    }
+    audio_config(&Checkpoint::open(dir)?)?;
+    let cfg = FeatureConfig::from_checkpoint(dir)?;
+    let opts = LoadOptions { rate: cfg.sampling_rate, ..LoadOptions::default() };
+    let fx = FeatureExtractor::new(cfg)?;
+    paths
+        .iter()
+        .map(|p| {
+            let c = super::load(p, &opts)?;
+            fx.extract_clip(&c, LongClips::Refuse).map_err(|e| Error::Audio(format!("{}: {e}", p.display())))?;
+            Ok(c)
+        })
+        .collect()
 }

@@ -286,7 +286,7 @@ pub fn soft_prompt(ids: &[u32], ph: &Placeholders, soft: &[SoftTokens]) -> Resul
 /// itself bidirectionally), run once on `device`. Returns the logits `[T, V]` and V.
 pub fn logits_with_soft(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], clips: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
     let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
-    let samples = crate::cli::read_clips(dir, clips)?;
+    let samples = crate::audio::encode::read_clips(dir, clips)?;
     let cp = Checkpoint::open(dir).map_err(|e| e.to_string())?;
     let mut soft = vec![];
     let mut ph = Placeholders::default();
