@@ -153,8 +153,9 @@ fn chat_prompt_of_a_wav_file_matches_hf() {
 }
 
 /// Bad input: a missing file, a file that is not audio, a model without an audio tower, a
-/// clip over 30 s, audio placeholders that disagree with the clips, and a prompt whose clip
-/// overflows the context. Each is a typed error naming the problem.
+/// clip over 30 s, empty or too short, NaN samples, markers or audio placeholders that
+/// disagree with the clips, and a prompt whose clip overflows the context. Each is a typed
+/// error naming the problem.
 #[test]
 fn audio_input_errors_are_typed() {
     let load_err = |p: &std::path::Path| audio::load(p, &LoadOptions::default()).unwrap_err();
@@ -178,6 +179,13 @@ fn audio_input_errors_are_typed() {
     match m.prompt(&[Part::Audio(vec![0.1; 16_000 * 31])], false).unwrap_err() {
         Error::Audio(msg) => assert!(msg.contains("31.00 s") && msg.contains("at most 30.00 s"), "{msg}"),
         e => panic!("{e:?}"),
+    }
+    // no samples, and too few for one frame
+    for (clip, want) in [(vec![], "no samples"), (vec![0.1; 10], "too short")] {
+        match m.prompt(&[Part::Audio(clip)], false).unwrap_err() {
+            Error::Audio(msg) => assert!(msg.contains(want), "{msg}"),
+            e => panic!("{e:?}"),
+        }
     }
     // NaN samples
     match m.prompt(&[Part::Audio(vec![f32::NAN; 1600])], false).unwrap_err() {
