@@ -242,22 +242,24 @@ pub fn read_images(dir: &Path, paths: &[std::path::PathBuf]) -> Result<Vec<RgbIm
     Ok(imgs)
 }
 
-/// `markbase generate`: streams the continuation of `prompt` (after `images`) to stdout.
-pub fn generate(m: &mut Model, prompt: &str, chat: bool, images: &[RgbImage], o: &GenOptions) -> Result<(), String> {
+/// `markbase generate`: streams the continuation of `prompt` (after `images`, before
+/// `clips`) to stdout.
+pub fn generate(m: &mut Model, prompt: &str, chat: bool, images: &[RgbImage], clips: &[Vec<f32>], o: &GenOptions) -> Result<(), String> {
     o.sampling.validate()?;
     let mut parts: Vec<Part> = images.iter().cloned().map(Part::Image).collect();
     parts.push(Part::Text(prompt.to_string()));
-    let p = if images.is_empty() {
+    parts.extend(clips.iter().cloned().map(Part::Audio));
+    let p = if images.is_empty() && clips.is_empty() {
         let tk = m.tokenizer()?;
         let ids = if chat { tk.encode_chat(&[Message::user(prompt)])? } else { tk.encode(prompt, true)? };
-        Prompt { ids, images: vec![] }
+        Prompt { ids, soft: vec![] }
     } else {
         m.prompt(&parts, chat)?
     };
     let ids = &p.ids;
     let params = GenerateParams { max_tokens: o.max_tokens, sampling: o.sampling, ..Default::default() };
     let t = std::time::Instant::now();
-    m.prepare_with_images(ids, &p.images, &o.sampling)?;
+    m.prepare_with_images(ids, &p.soft, &o.sampling)?;
     let compile = t.elapsed().as_secs_f64();
     let mut g = m.generate_prompt(&p, params)?;
     {
@@ -282,16 +284,18 @@ pub fn generate(m: &mut Model, prompt: &str, chat: bool, images: &[RgbImage], o:
 
 /// `markbase chat`: an interactive loop on stdin. Each turn feeds only what the
 /// conversation adds to the cached sequence (the template re-rendered, its common
-/// prefix with the cached tokens kept). `images` go with the first turn; `/image PATH` adds
-/// one to the next turn (images come before the turn's text).
-pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<RgbImage>) -> Result<(), String> {
+/// prefix with the cached tokens kept). `images` and `clips` go with the first turn; `/image
+/// PATH` and `/audio PATH` add one to the next turn (images come before the turn's text,
+/// clips after it).
+pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<RgbImage>, clips: Vec<Vec<f32>>) -> Result<(), String> {
     o.sampling.validate()?;
     m.tokenizer()?;
     let mut msgs: Vec<PartsMessage> = system.map(|s| vec![PartsMessage::text("system", s)]).unwrap_or_default();
-    // the soft tokens of the conversation's images, and the images of the next turn
+    // the soft tokens of the conversation's images and clips, and those of the next turn
     let mut soft: Vec<SoftTokens> = vec![];
     let mut pending = images;
-    let image_token = m.engine().vision_config().map_or(u32::MAX, |v| v.image_token);
+    let mut pending_clips = clips;
+    let ph = m.engine().placeholders();
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");
@@ -317,8 +321,28 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<Rgb
             }
             continue;
         }
-        let turn_images = pending.len();
-        let new_soft = match m.encode_images(&std::mem::take(&mut pending)) {
+        if let Some(path) = line.strip_prefix("/audio") {
+            let path = std::path::PathBuf::from(path.trim());
+            let read = || -> Result<Vec<Vec<f32>>, crate::Error> {
+                m.engine().audio_or_err()?;
+                let dir = m.engine().dir().ok_or_else(|| crate::Error::Input("this model was not loaded from a checkpoint".into()))?;
+                crate::audio::encode::read_clips(dir, std::slice::from_ref(&path))
+            };
+            match read() {
+                Ok(c) => {
+                    pending_clips.extend(c);
+                    eprintln!("[audio {} added to the next turn]", path.display());
+                }
+                Err(e) => eprintln!("error: {e}"),
+            }
+            continue;
+        }
+        let (turn_images, turn_clips) = (pending.len(), pending_clips.len());
+        let new_soft = m.encode_images(&std::mem::take(&mut pending)).and_then(|mut s| {
+            s.extend(m.encode_clips(&std::mem::take(&mut pending_clips))?);
+            Ok(s)
+        });
+        let new_soft = match new_soft {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -327,13 +351,14 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<Rgb
         };
         let mut content = vec![ContentPart::Image; turn_images];
         content.push(ContentPart::Text { text: line.to_string() });
+        content.extend(vec![ContentPart::Audio; turn_clips]);
         msgs.push(PartsMessage::new("user", content));
         soft.extend(new_soft);
         let turn = (|| -> Result<(usize, usize, Prompt), String> {
             let p = m.chat_prompt(&msgs, soft.clone())?;
             let common = m.tokens().iter().zip(&p.ids).take_while(|(a, b)| a == b).count();
             // at least one token is fed: the step that samples the reply's first token
-            let (keep, rest) = p.tail(common.min(p.ids.len().saturating_sub(1)), image_token);
+            let (keep, rest) = p.tail(common.min(p.ids.len().saturating_sub(1)), &ph);
             if keep > 0 && m.truncate(keep) {
                 Ok((p.ids.len(), keep, rest))
             } else {
@@ -345,7 +370,7 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<Rgb
         let mut reply = String::new();
         let (total, reused) = turn.as_ref().map_or((0, 0), |t| (t.0, t.1));
         let r = turn.and_then(|(_, _, rest)| {
-            m.generate_after_with_images(&rest.ids, &rest.images, params).map_err(String::from).and_then(|mut g| stream(&mut g, &mut reply))
+            m.generate_after_with_images(&rest.ids, &rest.soft, params).map_err(String::from).and_then(|mut g| stream(&mut g, &mut reply))
         });
         match r {
             Ok(s) => {
@@ -364,9 +389,9 @@ pub fn chat(m: &mut Model, o: &GenOptions, system: Option<&str>, images: Vec<Rgb
             }
             Err(e) => {
                 eprintln!("error: {e}");
-                // the turn is dropped with its images
+                // the turn is dropped with its images and clips
                 msgs.pop();
-                soft.truncate(soft.len() - turn_images);
+                soft.truncate(soft.len() - turn_images - turn_clips);
             }
         }
     }

@@ -28,8 +28,10 @@ use crate::exec::{CpuExecutor, Executor, GraphKey, Profile, ProfileResult, StepO
 use crate::gpu::runtime::{GpuExecutor, GpuShared};
 use crate::loader::{Checkpoint, LoadOptions, ProgressFn};
 use crate::tokenizer::Tokenizer;
-use crate::vision::{ImageEncoder, RgbImage, SoftTokens};
+use crate::audio::AudioEncoder;
+use crate::vision::{ImageEncoder, Modality, Placeholders, RgbImage, SoftTokens};
 use crate::weights::Weights;
+use markbase_graph::audio::AudioConfig;
 use markbase_graph::vision::{TowerKind, VisionConfig};
 
 /// Where the graph runs.
@@ -110,7 +112,11 @@ pub struct Engine {
     vision: Result<Option<VisionConfig>, String>,
     /// The image encoder (the vision tower on the engine's device), opened on first use.
     encoder: Mutex<Option<ImageEncoder>>,
-    /// The device the graphs run on, and NaN checks (for the image encoder).
+    /// The audio tower's config, as `vision`.
+    audio: Result<Option<AudioConfig>, String>,
+    /// The audio encoder (the audio tower on the engine's device), opened on first use.
+    audio_encoder: Mutex<Option<AudioEncoder>>,
+    /// The device the graphs run on, and NaN checks (for the encoders).
     device_kind: DeviceKind,
     check_nan: bool,
 }
@@ -140,7 +146,8 @@ impl Engine {
         };
         let config = ck.config().clone();
         let vision = ck.vision_config().map_err(|e| e.to_string());
-        let parts = Parts { checkpoint: Some(ck), dir: Some(dir.to_path_buf()), notice, opened, vision };
+        let audio = ck.audio_config().map_err(|e| e.to_string());
+        let parts = Parts { checkpoint: Some(ck), dir: Some(dir.to_path_buf()), notice, opened, vision, audio };
         Self::new(config, parts, Arc::new(weights), tokenizer, &opts)
     }
 
@@ -153,7 +160,7 @@ impl Engine {
         let need = crate::memory::Needs::of(&build(&BuildOptions::decode(opts.max_context, chunk))?, &build(&prefill_options(opts.max_context, chunk))?)
             .map_err(Error::Config)?;
         let (opened, notice) = open_device(opts, &need)?;
-        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: Ok(None) }, weights, tokenizer, opts)
+        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: Ok(None), audio: Ok(None) }, weights, tokenizer, opts)
     }
 
     fn new(config: ModelConfig, parts: Parts, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
@@ -186,6 +193,8 @@ impl Engine {
             fuse: opts.fuse.clone(),
             vision: parts.vision,
             encoder: Mutex::new(None),
+            audio: parts.audio,
+            audio_encoder: Mutex::new(None),
             device_kind,
             check_nan: opts.check_nan,
         }))
@@ -266,6 +275,42 @@ impl Engine {
             *enc = Some(ImageEncoder::open(dir, self.device_kind, None, self.check_nan)?);
         }
         enc.as_mut().map(|e| e.encode(img)).unwrap_or_else(|| Err(Error::Device("no image encoder".into())))
+    }
+
+    /// The checkpoint directory the engine was loaded from.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// The audio tower's config (`None`: the checkpoint takes no audio).
+    pub fn audio_config(&self) -> Option<&AudioConfig> {
+        self.audio.as_ref().ok().and_then(|v| v.as_ref())
+    }
+
+    /// The audio config, or the error of giving clips to a model without an audio tower.
+    pub fn audio_or_err(&self) -> Result<&AudioConfig, Error> {
+        let v = self.audio.as_ref().map_err(|e| Error::Config(e.clone()))?;
+        v.as_ref().ok_or_else(|| {
+            let what = self.dir.as_ref().map_or("this model".to_string(), |d| d.display().to_string());
+            Error::Input(format!("{what} has no audio tower markbase runs (no Gemma 4 audio_config in config.json): it takes no audio"))
+        })
+    }
+
+    /// The soft tokens of a clip (mono samples at the feature extractor's rate, 16 kHz) from
+    /// the checkpoint's audio tower, on the engine's device (the tower is loaded on first use).
+    pub fn encode_audio(&self, samples: &[f32]) -> Result<SoftTokens, Error> {
+        self.audio_or_err()?;
+        let dir = self.dir.as_ref().ok_or_else(|| Error::Input("this model was not loaded from a checkpoint: it takes no audio".into()))?;
+        let mut enc = self.audio_encoder.lock().map_err(|_| Error::Device("the engine's audio encoder is poisoned".into()))?;
+        if enc.is_none() {
+            *enc = Some(AudioEncoder::open(dir, self.device_kind, self.check_nan)?);
+        }
+        enc.as_mut().map(|e| e.encode(samples)).unwrap_or_else(|| Err(Error::Device("no audio encoder".into())))
+    }
+
+    /// The placeholder ids of the decoder's image and audio soft tokens.
+    pub fn placeholders(&self) -> Placeholders {
+        Placeholders { image: self.vision_config().map(|v| v.image_token), audio: self.audio_config().map(|a| a.audio_token) }
     }
 
     /// Compiled graphs so far (one per key; prompts are cut into a bounded set of step sizes).
@@ -457,11 +502,20 @@ impl Session {
         if images.is_empty() {
             return Ok((None, prefill_steps(ids.len(), self.engine.chunk).into_iter().map(|n| (n, false)).collect()));
         }
-        let vc = self.engine.vision_or_err()?;
-        let p = crate::vision::encode::image_prompt(ids, vc.image_token, images)?;
-        // bidirectional spans (Gemma 3; Gemma 4 26B/31B on sliding layers) are fed whole
-        let bidirectional = vc.kind == TowerKind::Siglip || self.config.vision_spans_sliding;
-        let spans = if bidirectional { image_spans(ids, vc.image_token) } else { vec![] };
+        for kind in [Modality::Image, Modality::Audio] {
+            if images.iter().any(|s| s.kind == kind) {
+                match kind {
+                    Modality::Image => self.engine.vision_or_err().map(|_| ())?,
+                    Modality::Audio => self.engine.audio_or_err().map(|_| ())?,
+                }
+            }
+        }
+        let p = crate::vision::encode::soft_prompt(ids, &self.engine.placeholders(), images)?;
+        // bidirectional image spans (Gemma 3; Gemma 4 26B/31B on sliding layers) are fed whole
+        let spans = match self.engine.vision_config() {
+            Some(vc) if vc.kind == TowerKind::Siglip || self.config.vision_spans_sliding => image_spans(ids, vc.image_token),
+            _ => vec![],
+        };
         let mut start = 0;
         let mut steps = vec![];
         for n in span_steps(ids.len(), self.engine.chunk, &spans)? {
@@ -563,10 +617,11 @@ impl Session {
         self.forward_with_images(ids, &[], all_logits, sampling)
     }
 
-    /// [`Session::forward`] of `ids` whose image placeholder runs (the model's image token,
-    /// as the processor expands them) take the soft tokens of `images`, in order. Gemma 3 (and
-    /// Gemma 4 26B/31B on sliding layers): each run attends to itself bidirectionally, so that
-    /// no prefill step ends inside one.
+    /// [`Session::forward`] of `ids` whose image and audio placeholder runs (the model's image
+    /// and audio tokens, as the processor expands them) take the soft tokens of `images` (each
+    /// run by its [`Modality`]), each kind in order. Gemma 3 (and Gemma 4 26B/31B on sliding
+    /// layers): each image's run attends to itself bidirectionally, so that no prefill step
+    /// ends inside one.
     pub fn forward_with_images(&mut self, ids: &[u32], images: &[SoftTokens], all_logits: bool, sampling: Option<&SampleParams>) -> Result<StepOutput, Error> {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to process".into()));
@@ -686,6 +741,7 @@ struct Parts {
     notice: Option<String>,
     opened: Opened,
     vision: Result<Option<VisionConfig>, String>,
+    audio: Result<Option<AudioConfig>, String>,
 }
 
 /// A model directory, told apart from what it is often confused with (a GGUF or

@@ -3,7 +3,7 @@
 
 use crate::cpu::ops::SampleParams;
 use crate::engine::{Error, Session};
-use crate::vision::SoftTokens;
+use crate::vision::{Modality, SoftTokens};
 
 /// Parameters of [`Session::generate`].
 #[derive(Clone, Debug)]
@@ -64,9 +64,14 @@ impl Session {
         }
         if self.position() + ids.len() > self.max_context() {
             let soft: usize = images.iter().map(|i| i.tokens).sum();
-            let of_images = match images.len() {
-                0 => String::new(),
-                n => format!(" ({soft} of them the soft tokens of {n} image{})", if n == 1 { "" } else { "s" }),
+            let count = |kind: Modality, one: &str| match images.iter().filter(|s| s.kind == kind).count() {
+                0 => None,
+                1 => Some(format!("1 {one}")),
+                n => Some(format!("{n} {one}s")),
+            };
+            let of_images = match [count(Modality::Image, "image"), count(Modality::Audio, "clip")].into_iter().flatten().collect::<Vec<_>>() {
+                v if v.is_empty() => String::new(),
+                v => format!(" ({soft} of them the soft tokens of {})", v.join(" and ")),
             };
             return Err(Error::Input(if self.position() == 0 {
                 format!(

@@ -386,8 +386,10 @@ impl fmt::Display for InspectReport {
             if t.vision.is_none() && other > 0 {
                 writeln!(f, "towers: {other} vision tensors, not used (config.json has no supported vision_config)")?;
             }
-            if !t.audio_tensors.is_empty() {
-                writeln!(f, "audio tower: {} tensors, not used (audio input is not supported)", t.audio_tensors.len())?;
+            match (t.audio_layers, t.audio_tensors.len()) {
+                (_, 0) => {}
+                (Some(l), n) => writeln!(f, "audio tower: Gemma 4 conformer of {l} blocks, {n} tensors")?,
+                (None, n) => writeln!(f, "audio tower: {n} tensors, not used (this audio tower is not supported)")?,
             }
         } else if self.tower_tensors > 0 {
             writeln!(f, "towers: {} vision/audio tensors", self.tower_tensors)?;

@@ -155,6 +155,10 @@ enum Cmd {
         /// with a vision tower).
         #[arg(long = "image")]
         images: Vec<PathBuf>,
+        /// An audio clip (WAV, FLAC, MP3, OGG; at most 30 s) after the prompt's text;
+        /// repeatable, in order (a model with an audio tower: Gemma 4 E2B/E4B).
+        #[arg(long = "audio")]
+        audio: Vec<PathBuf>,
         #[command(flatten)]
         sample: SampleArgs,
     },
@@ -168,6 +172,9 @@ enum Cmd {
         /// An image for the first turn; repeatable (`/image PATH` adds one to the next turn).
         #[arg(long = "image")]
         images: Vec<PathBuf>,
+        /// An audio clip for the first turn; repeatable (`/audio PATH` adds one to the next turn).
+        #[arg(long = "audio")]
+        audio: Vec<PathBuf>,
         #[command(flatten)]
         sample: SampleArgs,
     },
@@ -223,15 +230,23 @@ enum Cmd {
         /// hold each image's run, in order, as the HF processor writes them); repeatable.
         #[arg(long = "image")]
         images: Vec<PathBuf>,
+        /// An audio clip whose soft tokens fill the next run of audio placeholders in
+        /// --tokens; repeatable.
+        #[arg(long = "audio")]
+        audio: Vec<PathBuf>,
     },
-    /// Write the soft-token embeddings of images (after the projector, `[N, D_text]` f32) as .npy.
+    /// Write the soft-token embeddings of images and audio clips (after the projector,
+    /// `[N, D_text]` f32) as .npy.
     Encode {
-        /// Model directory (MLX checkpoint with a vision tower).
+        /// Model directory (MLX checkpoint with a vision or audio tower).
         #[arg(short = 'm', long = "model")]
         model: PathBuf,
         /// PNG, JPEG or WebP image; repeatable (the rows of each follow the previous ones).
-        #[arg(long = "image", required = true)]
+        #[arg(long = "image", required_unless_present = "audio")]
         images: Vec<PathBuf>,
+        /// WAV, FLAC, MP3 or OGG clip of at most 30 s; repeatable (its rows follow the images').
+        #[arg(long = "audio")]
+        audio: Vec<PathBuf>,
         /// The .npy file to write.
         #[arg(long)]
         out: PathBuf,
@@ -333,34 +348,34 @@ fn main() -> ExitCode {
                 Err("the checkpoint has problems (listed above)".into())
             }
         }),
-        Cmd::Generate { run, prompt, file, chat, images, sample } => {
+        Cmd::Generate { run, prompt, file, chat, images, audio, sample } => {
             let o = sample.options();
             o.sampling
                 .validate()
                 .and_then(|()| cli::read_prompt(prompt.as_deref(), file.as_deref()))
-                .and_then(|text| Ok((text, cli::read_images(&run.model, &images)?)))
-                .and_then(|(text, imgs)| load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &imgs, &o)))
+                .and_then(|text| Ok((text, cli::read_images(&run.model, &images)?, markbase::audio::encode::read_clips(&run.model, &audio)?)))
+                .and_then(|(text, imgs, clips)| load(&run, true).and_then(|mut m| cli::generate(&mut m, &text, chat, &imgs, &clips, &o)))
         }
-        Cmd::Chat { run, system, images, sample } => {
+        Cmd::Chat { run, system, images, audio, sample } => {
             let o = sample.options();
             o.sampling
                 .validate()
-                .and_then(|()| cli::read_images(&run.model, &images))
-                .and_then(|imgs| load(&run, true).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref(), imgs)))
+                .and_then(|()| Ok((cli::read_images(&run.model, &images)?, markbase::audio::encode::read_clips(&run.model, &audio)?)))
+                .and_then(|(imgs, clips)| load(&run, true).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref(), imgs, clips)))
         }
         Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, fuse } => fuse.options().and_then(|fuse| {
             let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse };
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
         Cmd::Serve(args) => markbase::server::serve(args),
-        Cmd::Logits { run, tokens, out: path, last, top, images } if !images.is_empty() => (|| {
+        Cmd::Logits { run, tokens, out: path, last, top, images, audio } if !images.is_empty() || !audio.is_empty() => (|| {
             let t = cli::parse_tokens(&tokens)?;
             if last || top.is_some() {
-                return Err("with --image, logits writes every position's logits (no --last or --top)".to_string());
+                return Err("with --image or --audio, logits writes every position's logits (no --last or --top)".to_string());
             }
             let file = cli::OutFile::check(path.as_deref().unwrap_or(std::path::Path::new("logits.npy")))?;
             let device = cli::parse_device(run.backend.as_deref())?;
-            let (logits, vocab) = markbase::vision::encode::logits_with_images(&run.model, &t, &images, device, run.check_nan)?;
+            let (logits, vocab) = markbase::vision::encode::logits_with_soft(&run.model, &t, &images, &audio, device, run.check_nan)?;
             file.write_f32(&[t.len(), vocab], &logits)
         })(),
         Cmd::Logits { run, tokens, out: path, last, top, .. } => (|| {
@@ -381,13 +396,24 @@ fn main() -> ExitCode {
         Cmd::Features { audio, out: path, model, family, long } => {
             markbase::audio::features_command(&audio, &path, model.as_deref(), &family, &long).map(|s| out(&s))
         }
-        Cmd::Encode { model, images, out: path, max_soft_tokens, backend, check_nan } => (|| {
+        Cmd::Encode { model, images, audio, out: path, max_soft_tokens, backend, check_nan } => (|| {
             let file = cli::OutFile::check(&path)?;
             let device = cli::parse_device(backend.as_deref())?;
-            let (rows, width, counts) = markbase::vision::encode::encode_files(&model, &images, device, max_soft_tokens, check_nan)?;
+            let (mut rows, mut width) = (vec![], 0);
+            if !images.is_empty() {
+                let counts;
+                (rows, width, counts) = markbase::vision::encode::encode_files(&model, &images, device, max_soft_tokens, check_nan)?;
+                eprintln!("soft tokens per image {counts:?}");
+            }
+            if !audio.is_empty() {
+                let (a, w, counts) = markbase::audio::encode::encode_files(&model, &audio, device, check_nan)?;
+                eprintln!("soft tokens per clip {counts:?}");
+                rows.extend(a);
+                width = w;
+            }
             let n = rows.len() / width.max(1);
             file.write_f32(&[n, width], &rows)?;
-            eprintln!("{}: soft tokens per image {counts:?}, [{n}, {width}] f32", path.display());
+            eprintln!("{}: [{n}, {width}] f32", path.display());
             Ok(())
         })(),
     };

@@ -27,17 +27,20 @@ impl Message {
     }
 }
 
-/// One item of a message's content: text, or an image (HF's multimodal message form).
+/// One item of a message's content: text, an image or an audio clip (HF's multimodal message
+/// form).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentPart {
     Text { text: String },
     Image,
+    Audio,
 }
 
-/// A chat message whose content may hold images: templates see its content as a list of
-/// `{"type": "text", "text": ..}` and `{"type": "image"}` items where it has an image, as the
-/// text alone otherwise (the same rendering as [`Message`]).
+/// A chat message whose content may hold images and clips: templates see its content as a
+/// list of `{"type": "text", "text": ..}`, `{"type": "image"}` and `{"type": "audio"}` items
+/// where it has an image or a clip, as the text alone otherwise (the same rendering as
+/// [`Message`]).
 #[derive(Clone, Debug)]
 pub struct PartsMessage {
     pub role: String,
@@ -55,6 +58,10 @@ impl PartsMessage {
     pub fn images(&self) -> usize {
         self.content.iter().filter(|p| **p == ContentPart::Image).count()
     }
+    /// Audio clips in the content.
+    pub fn clips(&self) -> usize {
+        self.content.iter().filter(|p| **p == ContentPart::Audio).count()
+    }
 }
 
 impl serde::Serialize for PartsMessage {
@@ -62,7 +69,7 @@ impl serde::Serialize for PartsMessage {
         use serde::ser::SerializeStruct;
         let mut m = s.serialize_struct("Message", 2)?;
         m.serialize_field("role", &self.role)?;
-        if self.images() > 0 {
+        if self.images() + self.clips() > 0 {
             m.serialize_field("content", &self.content)?;
         } else {
             let text: String = self.content.iter().map(|p| if let ContentPart::Text { text } = p { text.as_str() } else { "" }).collect();

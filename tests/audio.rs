@@ -8,6 +8,9 @@ use markbase::audio::{self, FeatureConfig, FeatureExtractor, Family, LoadOptions
 use markbase::Error;
 use serde_json::Value;
 
+#[path = "common/wav.rs"]
+mod wav;
+
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/audio")
 }
@@ -217,26 +220,26 @@ fn formats_decode_to_the_same_samples() {
 #[test]
 fn wav_variants_decode_exactly() {
     // 8-bit unsigned: 0 → -1, 128 → 0, 255 → 127/128.
-    let d = decode(&tmp("u8.wav", &wav_bytes(1, 1, 8_000, 8, 3, &[0, 128, 255]))).unwrap();
+    let d = decode(&tmp("u8.wav", &wav::wav_bytes(1, 1, 8_000, 8, 3, &[0, 128, 255]))).unwrap();
     assert_eq!(d.samples, vec![-1.0, 0.0, 127.0 / 128.0]);
     // 64-bit float.
     let mut f64s = Vec::new();
     for v in [0.25f64, -0.5, 1.0 / 3.0] {
         f64s.extend_from_slice(&v.to_le_bytes());
     }
-    let d = decode(&tmp("f64.wav", &wav_bytes(3, 1, 44_100, 64, 24, &f64s))).unwrap();
+    let d = decode(&tmp("f64.wav", &wav::wav_bytes(3, 1, 44_100, 64, 24, &f64s))).unwrap();
     assert_eq!((d.rate, d.samples.clone()), (44_100, vec![0.25f32, -0.5, (1.0f64 / 3.0) as f32]));
     // 16-bit stereo: the mean of the two channels; 24-bit negative values sign-extended.
     let mut st = Vec::new();
     for v in [16_384i16, -16_384, 32_767, 32_767] {
         st.extend_from_slice(&v.to_le_bytes());
     }
-    let d = decode(&tmp("st.wav", &wav_bytes(1, 2, 16_000, 16, 8, &st))).unwrap();
+    let d = decode(&tmp("st.wav", &wav::wav_bytes(1, 2, 16_000, 16, 8, &st))).unwrap();
     assert_eq!((d.channels, d.samples.clone()), (2, vec![0.0, 32_767.0 / 32_768.0]));
-    let d = decode(&tmp("s24.wav", &wav_bytes(1, 1, 16_000, 24, 6, &[0x00, 0x00, 0x80, 0xff, 0xff, 0x7f]))).unwrap();
+    let d = decode(&tmp("s24.wav", &wav::wav_bytes(1, 1, 16_000, 24, 6, &[0x00, 0x00, 0x80, 0xff, 0xff, 0x7f]))).unwrap();
     assert_eq!(d.samples, vec![-1.0, 8_388_607.0 / 8_388_608.0]);
     // An odd-sized chunk (padded to even) between fmt and data is skipped.
-    let b = wav_bytes(1, 1, 16_000, 16, 4, &[0, 64, 0, 192]);
+    let b = wav::wav_bytes(1, 1, 16_000, 16, 4, &[0, 64, 0, 192]);
     let split = b.len() - 12;
     let mut odd = b[..split].to_vec();
     odd.extend_from_slice(b"junk\x03\0\0\0abc\0");
@@ -244,7 +247,7 @@ fn wav_variants_decode_exactly() {
     let d = decode(&tmp("odd.wav", &odd)).unwrap();
     assert_eq!(d.samples, vec![0.5, -0.5]);
     // A data chunk declared as 0xFFFFFFFF (a stream written without seeking) runs to the end.
-    let d = decode(&tmp("stream.wav", &wav_bytes(1, 1, 16_000, 16, u32::MAX, &[0, 64, 0, 192]))).unwrap();
+    let d = decode(&tmp("stream.wav", &wav::wav_bytes(1, 1, 16_000, 16, u32::MAX, &[0, 64, 0, 192]))).unwrap();
     assert_eq!(d.samples, vec![0.5, -0.5]);
 }
 
@@ -256,27 +259,6 @@ fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
     let p = d.join(name);
     std::fs::write(&p, bytes).unwrap();
     p
-}
-
-/// A WAV file: format tag, channels, rate, bits, the data chunk's declared size, the data.
-fn wav_bytes(tag: u16, channels: u16, rate: u32, bits: u16, declared: u32, data: &[u8]) -> Vec<u8> {
-    let align = channels * bits / 8;
-    let mut fmt = Vec::new();
-    fmt.extend_from_slice(&tag.to_le_bytes());
-    fmt.extend_from_slice(&channels.to_le_bytes());
-    fmt.extend_from_slice(&rate.to_le_bytes());
-    fmt.extend_from_slice(&(rate * align as u32).to_le_bytes());
-    fmt.extend_from_slice(&align.to_le_bytes());
-    fmt.extend_from_slice(&bits.to_le_bytes());
-    let mut b = b"RIFF\0\0\0\0WAVEfmt ".to_vec();
-    b.extend_from_slice(&(fmt.len() as u32).to_le_bytes());
-    b.extend_from_slice(&fmt);
-    b.extend_from_slice(b"data");
-    b.extend_from_slice(&declared.to_le_bytes());
-    b.extend_from_slice(data);
-    let riff = (b.len() - 8) as u32;
-    b[4..8].copy_from_slice(&riff.to_le_bytes());
-    b
 }
 
 fn audio_error(r: Result<impl std::fmt::Debug, Error>, needle: &str) {
@@ -355,16 +337,16 @@ fn mutated_files_never_panic() {
 #[test]
 fn absurd_headers_cost_no_memory() {
     // The data chunk claims 4 GB in a 100-byte file.
-    audio_error(decode(&tmp("huge.wav", &wav_bytes(1, 1, 16_000, 16, 0xFFFF_FFF0, &[0; 56]))), "truncated");
+    audio_error(decode(&tmp("huge.wav", &wav::wav_bytes(1, 1, 16_000, 16, 0xFFFF_FFF0, &[0; 56]))), "truncated");
     // 60000 channels, a zero or absurd rate, a block align that disagrees with the sizes.
-    audio_error(decode(&tmp("ch.wav", &wav_bytes(1, 60_000, 16_000, 16, 4, &[0; 4]))), "channels");
-    audio_error(decode(&tmp("rate0.wav", &wav_bytes(1, 1, 0, 16, 4, &[0; 4]))), "sample rate");
-    audio_error(decode(&tmp("rate.wav", &wav_bytes(1, 1, 4_000_000_000, 16, 4, &[0; 4]))), "sample rate");
-    let mut b = wav_bytes(1, 2, 16_000, 16, 4, &[0; 4]);
+    audio_error(decode(&tmp("ch.wav", &wav::wav_bytes(1, 60_000, 16_000, 16, 4, &[0; 4]))), "channels");
+    audio_error(decode(&tmp("rate0.wav", &wav::wav_bytes(1, 1, 0, 16, 4, &[0; 4]))), "sample rate");
+    audio_error(decode(&tmp("rate.wav", &wav::wav_bytes(1, 1, 4_000_000_000, 16, 4, &[0; 4]))), "sample rate");
+    let mut b = wav::wav_bytes(1, 2, 16_000, 16, 4, &[0; 4]);
     b[32] = 7; // block align
     audio_error(decode(&tmp("align.wav", &b)), "block align");
     // A fmt chunk that declares 2 GB.
-    let mut b = wav_bytes(1, 1, 16_000, 16, 4, &[0; 4]);
+    let mut b = wav::wav_bytes(1, 1, 16_000, 16, 4, &[0; 4]);
     b[16..20].copy_from_slice(&0x7FFF_FFFFu32.to_le_bytes());
     audio_error(decode(&tmp("fmt.wav", &b)), "truncated");
 }
@@ -373,7 +355,7 @@ fn absurd_headers_cost_no_memory() {
 fn ten_hours_are_refused_before_reading() {
     // A sparse 1.15 GB file: 10 h of 16 kHz 16-bit mono. Refused from its header.
     let bytes: u64 = 10 * 3600 * 16_000 * 2;
-    let p = tmp("10h.wav", &wav_bytes(1, 1, 16_000, 16, bytes as u32, &[]));
+    let p = tmp("10h.wav", &wav::wav_bytes(1, 1, 16_000, 16, bytes as u32, &[]));
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_len(44 + bytes).unwrap();
     drop(f);
@@ -435,9 +417,9 @@ fn features_command_writes_npy() {
 
 #[test]
 fn unsupported_encodings_are_named() {
-    audio_error(decode(&tmp("adpcm.wav", &wav_bytes(2, 1, 16_000, 4, 4, &[0; 4]))), "unsupported WAV encoding");
-    audio_error(decode(&tmp("s12.wav", &wav_bytes(1, 1, 16_000, 12, 4, &[0; 4]))), "sample size");
-    audio_error(decode(&tmp("f16.wav", &wav_bytes(3, 1, 16_000, 16, 4, &[0; 4]))), "sample size");
+    audio_error(decode(&tmp("adpcm.wav", &wav::wav_bytes(2, 1, 16_000, 4, 4, &[0; 4]))), "unsupported WAV encoding");
+    audio_error(decode(&tmp("s12.wav", &wav::wav_bytes(1, 1, 16_000, 12, 4, &[0; 4]))), "sample size");
+    audio_error(decode(&tmp("f16.wav", &wav::wav_bytes(3, 1, 16_000, 16, 4, &[0; 4]))), "sample size");
     // An MP4 container is not among the formats read.
     let mut mp4 = vec![0, 0, 0, 24];
     mp4.extend_from_slice(b"ftypM4A \0\0\0\0M4A isom");
@@ -447,12 +429,12 @@ fn unsupported_encodings_are_named() {
 
 #[test]
 fn empty_short_and_nan_clips_are_refused() {
-    audio_error(decode(&tmp("zero.wav", &wav_bytes(1, 1, 16_000, 16, 0, &[]))), "no samples");
+    audio_error(decode(&tmp("zero.wav", &wav::wav_bytes(1, 1, 16_000, 16, 0, &[]))), "no samples");
     let mut nan = Vec::new();
     for v in [0.1f32, f32::NAN, 0.2] {
         nan.extend_from_slice(&v.to_le_bytes());
     }
-    audio_error(decode(&tmp("nan.wav", &wav_bytes(3, 1, 16_000, 32, 12, &nan))), "non-finite");
+    audio_error(decode(&tmp("nan.wav", &wav::wav_bytes(3, 1, 16_000, 32, 12, &nan))), "non-finite");
     for fam in [Family::Gemma4, Family::Gemma3n] {
         let fx = FeatureExtractor::new(FeatureConfig::defaults(fam)).unwrap();
         audio_error(fx.extract(&[]), "no samples");

@@ -3,6 +3,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+#[path = "common/wav.rs"]
+mod wav;
+
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_markbase"))
 }
@@ -539,4 +542,73 @@ fn image_errors_are_clear() {
     // /image in a chat with a text-only model
     let (ok, _, err) = run_env(&["chat", "-m", Q4, "--backend", "cpu"], &[], &format!("/image {sq}\n/exit\n"));
     assert!(ok && err.contains("error: ") && err.contains("has no vision tower"), "{err}");
+}
+
+const CLIP: &str = "tests/fixtures/audio/chirp_16k_s32_stereo.wav";
+
+/// The token the reference's audio chat turn (`[image, w23 w31, audio]`) continues with.
+fn audio_turn_next_token() -> String {
+    let l = markbase::npy::read_f32(&root().join(VLM4).join("ref/audio_logits.npy")).unwrap();
+    let v = l.shape[1];
+    let last = &l.data[l.data.len() - v..];
+    let id = last.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    format!("w{id}")
+}
+
+/// `generate --audio`, `chat` with `--audio` and `/audio`, `encode --audio` and `logits
+/// --audio`: the tiny
+/// Gemma 4 fixture's chat turn of the reference (the square image, `w23 w31`, the clip)
+/// continues with the reference's next token.
+#[test]
+fn generate_chat_and_encode_with_audio() {
+    let sq = format!("{VLM4}/square.png");
+    let next = audio_turn_next_token();
+    let (ok, out, err) = run(&["generate", "-m", VLM4, "--backend", "cpu", "--image", &sq, "--audio", CLIP, "-p", "w23 w31", "--chat", "--max-tokens", "1"]);
+    assert!(ok && out.trim() == next, "{out}{err}");
+    // the same turn in chat, the clip added by /audio; a missing file is reported and skipped
+    let stdin = format!("/image {sq}\n/audio {CLIP}\n/audio no-such.wav\nw23 w31\n/exit\n");
+    let (ok, out, err) = run_env(&["chat", "-m", VLM4, "--backend", "cpu", "--max-tokens", "1"], &[], &stdin);
+    assert!(ok && out.trim() == next, "{out}{err}");
+    assert!(err.contains("error: no-such.wav: cannot open"), "{err}");
+    // --audio for the first turn
+    let (ok, out, err) = run_env(&["chat", "-m", VLM4, "--backend", "cpu", "--max-tokens", "1", "--image", &sq, "--audio", CLIP], &[], "w23 w31\n/exit\n");
+    assert!(ok && out.trim() == next, "{out}{err}");
+    // encode: the clip's 6 soft tokens after the image's 64
+    let npy = std::env::temp_dir().join(format!("markbase-cli-{}-audio-soft.npy", std::process::id()));
+    let (ok, _, err) = run(&["encode", "-m", VLM4, "--backend", "cpu", "--image", &sq, "--audio", CLIP, "--out", npy.to_str().unwrap()]);
+    assert!(ok && err.contains("soft tokens per clip [6]"), "{err}");
+    let a = markbase::npy::read_f32(&npy).unwrap();
+    assert_eq!(a.shape, [70, 64]);
+    // logits of the reference's ids, the image's and the clip's runs filled
+    let ids = markbase::npy::read_i32(&root().join(VLM4).join("ref/audio_chat_ids.npy")).unwrap().data;
+    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    let (ok, _, err) = run(&["logits", "-m", VLM4, "--backend", "cpu", "--tokens", &ids.join(","), "--image", &sq, "--audio", CLIP, "--out", npy.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let got = markbase::npy::read_f32(&npy).unwrap().data;
+    let want = markbase::npy::read_f32(&root().join(VLM4).join("ref/audio_logits.npy")).unwrap().data;
+    let mx = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let e = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / mx;
+    assert!(got.len() == want.len() && e <= 5e-4, "logits --audio: {e:.2e} of max |logit|");
+    fails_with(&["logits", "-m", VLM4, "--backend", "cpu", "--tokens", "2,503,5", "--audio", CLIP, "--out", npy.to_str().unwrap()], "1 audio placeholders");
+    let _ = std::fs::remove_file(&npy);
+}
+
+/// Audio errors: a missing file, a file that is not audio, a model without an audio tower, a
+/// clip over 30 s; each a one-line error before any weight is loaded.
+#[test]
+fn audio_errors_are_clear() {
+    fails_with(&["generate", "-m", VLM4, "--backend", "cpu", "--audio", "no-such.wav", "-p", "w5"], "no-such.wav: cannot open");
+    fails_with(&["generate", "-m", VLM4, "--backend", "cpu", "--audio", &format!("{VLM4}/square.png"), "-p", "w5"], "square.png");
+    fails_with(&["generate", "-m", VLM3, "--backend", "cpu", "--audio", CLIP, "-p", "w5"], "has no audio tower");
+    fails_with(&["chat", "-m", Q4, "--backend", "cpu", "--audio", CLIP], "has no audio tower");
+    fails_with(&["encode", "-m", VLM3, "--audio", CLIP, "--out", "never-written.npy"], "has no audio tower");
+    // 31 s of silence at 1 kHz, 8-bit
+    let long = std::env::temp_dir().join(format!("markbase-cli-{}-long.wav", std::process::id()));
+    std::fs::write(&long, wav::wav_bytes(1, 1, 1_000, 8, 31_000, &[128; 31_000])).unwrap();
+    let e = fails_with(&["generate", "-m", VLM4, "--backend", "cpu", "--audio", long.to_str().unwrap(), "-p", "w5"], "at most 30.00 s");
+    assert!(e.contains("long.wav") && e.contains("31.00 s"), "{e}");
+    let _ = std::fs::remove_file(&long);
+    // /audio in a chat with a model without an audio tower
+    let (ok, _, err) = run_env(&["chat", "-m", VLM3, "--backend", "cpu"], &[], &format!("/audio {CLIP}\n/exit\n"));
+    assert!(ok && err.contains("error: ") && err.contains("has no audio tower"), "{err}");
 }

@@ -38,14 +38,14 @@ fn check(family: &str, device: DeviceKind, chunk: usize) -> f32 {
     assert_eq!(p.ids, ids(family, "chat_ids"), "{family}: chat prompt ids");
     // the generation's graphs compiled up front
     let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
-    m.prepare_with_images(&p.ids, &p.images, &params.sampling).unwrap();
+    m.prepare_with_images(&p.ids, &p.soft, &params.sampling).unwrap();
     let compiled = m.engine().compiled_graphs();
     let toks: Vec<u32> = m.generate_prompt(&p, params).unwrap().map(|t| t.unwrap().token).collect();
     assert_eq!(toks, ids(family, "chat_greedy"), "{family} {device:?}: greedy tokens");
     assert_eq!(m.engine().compiled_graphs(), compiled, "graphs compiled during the generation");
     let want = markbase::npy::read_f32(&dir(family).join("ref/chat_logits.npy")).unwrap().data;
     m.reset();
-    let got = m.forward_with_images(&p.ids, &p.images, true, None).unwrap().logits.unwrap();
+    let got = m.forward_with_images(&p.ids, &p.soft, true, None).unwrap().logits.unwrap();
     let want = &want[..got.len()];
     let mx = want.iter().fold(0f32, |a, b| a.max(b.abs()));
     let e = got.iter().zip(want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / mx;
@@ -105,10 +105,10 @@ fn image_input_errors() {
     let e = m2.generate_prompt(&p, GenerateParams::default()).err().unwrap().to_string();
     assert!(e.contains(&format!("the prompt has {} tokens (32 of them the soft tokens of 2 images)", p.ids.len())) && e.contains("context of 24"), "{e}");
     // markers that disagree with the images
-    let e = m.text_prompt("<start_of_image> w5 <start_of_image>", p.images[..1].to_vec(), true).unwrap_err().to_string();
+    let e = m.text_prompt("<start_of_image> w5 <start_of_image>", p.soft[..1].to_vec(), true).unwrap_err().to_string();
     assert!(e.contains("2 image markers (<start_of_image>) for 1 images"), "{e}");
     // placeholder runs that disagree with the soft tokens
-    let e = m.forward_with_images(&p.ids[..10], &p.images, false, None).unwrap_err().to_string();
+    let e = m.forward_with_images(&p.ids[..10], &p.soft, false, None).unwrap_err().to_string();
     assert!(e.contains("image placeholders"), "{e}");
 }
 
@@ -134,7 +134,7 @@ fn gemma3_pan_and_scan_prompt_matches_hf() {
     let mut m = Model::load(&tmp, ModelOptions { device: DeviceKind::Cpu, prefill_chunk: 16, max_context: 128, ..Default::default() }).unwrap();
     let parts = [Part::Image(load_image(&src.join("wide.png")).unwrap()), Part::Text("w17 w29 w40".into())];
     let p = m.prompt(&parts, true).unwrap();
-    assert_eq!(p.images[0].tokens, 48, "the whole image and two crops");
+    assert_eq!(p.soft[0].tokens, 48, "the whole image and two crops");
     assert_eq!(p.ids, ids("gemma3", "chat_ids_pan_and_scan"));
     let toks: Vec<u32> = m.generate_prompt(&p, GenerateParams { max_tokens: 2, ..Default::default() }).unwrap().map(|t| t.unwrap().token).collect();
     assert_eq!(toks.len(), 2);

@@ -9,13 +9,14 @@ use std::sync::Arc;
 
 use markbase::cpu::exec::{self, CpuState, CpuWeights, StepInputs};
 use markbase::exec::{Executor, GraphKey};
-use markbase::graph::passes::{compile, PhasePolicy};
-use markbase::graph::BuildOptions;
 use markbase::gpu::runtime::GpuExecutor;
 use markbase::loader::Checkpoint;
 use markbase::model::DeviceKind;
-use markbase::vision::encode::{image_prompt, ImageEncoder};
+use markbase::vision::encode::{soft_prompt, ImageEncoder, Modality, Placeholders, SoftTokens};
 use markbase::vision::load_image;
+
+#[path = "common/prompt_graph.rs"]
+mod prompt_graph;
 
 fn dir_of(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vlm").join(family)
@@ -57,17 +58,10 @@ pub fn two_image_prompt(family: &str, planted: Option<&dyn Fn(&mut markbase::gra
     let ids: Vec<u32> = markbase::npy::read_i32(&dir.join("ref/input_ids.npy")).unwrap().data.iter().map(|&v| v as u32).collect();
     let mut enc = ImageEncoder::open(&dir, DeviceKind::Cpu, None, false).unwrap();
     let soft: Vec<_> = ["square", "wide"].iter().map(|n| enc.encode(&load_image(&dir.join(format!("{n}.png"))).unwrap()).unwrap()).collect();
-    let p = image_prompt(&ids, vc.image_token, &soft).unwrap();
+    let p = soft_prompt(&ids, &Placeholders { image: Some(vc.image_token), audio: None }, &soft).unwrap();
     let t = ids.len();
     let n = p.soft_rows.len() / vc.text_hidden;
-    let mut g = cp.build(BuildOptions { soft_rows: n, ..BuildOptions::prefill(t, t) }).unwrap();
-    let (w, _) = cp.load_weights(&g).unwrap();
-    if let Some(f) = planted {
-        f(&mut g);
-    }
-    let merge = g.g.node_indices().find(|&i| g.node(i).name == "merge_soft_rows").expect("the merge node");
-    g.set_output("merged", merge);
-    let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
+    let (c, w) = prompt_graph::merged_graph(&cp, t, n, planted);
     let positions: Vec<u32> = (0..t as u32).collect();
     let until = p.attend_until(0);
     let step = StepInputs { tokens: &p.tokens, positions: &positions, soft_rows: &p.soft_rows, soft_index: &p.soft_index, attend_until: &until, ..Default::default() };
@@ -136,10 +130,31 @@ fn image_spans_are_runs_of_image_tokens() {
 
 #[test]
 fn placeholder_counts_must_match_the_images() {
-    let soft = markbase::vision::SoftTokens { tokens: 3, width: 2, data: vec![0.5; 6] };
-    let e = image_prompt(&[2, 9, 9, 5], 9, &[soft.clone()]).unwrap_err().to_string();
+    let ph = Placeholders { image: Some(9), audio: None };
+    let soft = SoftTokens { tokens: 3, width: 2, data: vec![0.5; 6], kind: Modality::Image };
+    let e = soft_prompt(&[2, 9, 9, 5], &ph, std::slice::from_ref(&soft)).unwrap_err().to_string();
     assert!(e.contains("2 image placeholders") && e.contains("3 soft tokens"), "{e}");
-    let ok = image_prompt(&[2, 9, 9, 9, 5], 9, &[soft]).unwrap();
+    let ok = soft_prompt(&[2, 9, 9, 9, 5], &ph, &[soft]).unwrap();
     assert_eq!(ok.soft_index, vec![0, 1, 2, 3, 0]);
     assert_eq!(ok.tokens, vec![2, 0, 0, 0, 5]);
+}
+
+/// Image and audio placeholders interleaved: each kind takes its own rows in order (image
+/// rows first in the soft rows, then audio rows), both read as id 0; audio given to a model
+/// without audio placeholders, or too few audio placeholders, is refused.
+#[test]
+fn image_and_audio_runs_take_their_own_rows() {
+    let ph = Placeholders { image: Some(9), audio: Some(7) };
+    let img = SoftTokens { tokens: 2, width: 2, data: vec![1.0, 1.0, 2.0, 2.0], kind: Modality::Image };
+    let clip = SoftTokens { tokens: 2, width: 2, data: vec![3.0, 3.0, 4.0, 4.0], kind: Modality::Audio };
+    let p = soft_prompt(&[2, 7, 9, 7, 9, 5], &ph, &[img.clone(), clip.clone()]).unwrap();
+    assert_eq!(p.soft_rows, vec![1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]);
+    assert_eq!(p.soft_index, vec![0, 3, 1, 4, 2, 0]);
+    assert_eq!(p.tokens, vec![2, 0, 0, 0, 0, 5]);
+    // image spans never swallow audio tokens (Gemma 3's bidirectional spans are images only)
+    assert_eq!(p.span_ends, vec![0, 1, 2, 3, 4, 5]);
+    let e = soft_prompt(&[2, 7, 9, 9, 5], &ph, &[img.clone(), clip.clone()]).unwrap_err().to_string();
+    assert!(e.contains("1 audio placeholders") && e.contains("2 soft tokens"), "{e}");
+    let e = soft_prompt(&[2, 9, 9, 5], &Placeholders { image: Some(9), audio: None }, &[img, clip]).unwrap_err().to_string();
+    assert!(e.contains("takes no audio"), "{e}");
 }

@@ -9,7 +9,11 @@ Writes `tests/fixtures/vlm/<family>/`:
   a checkpoint that mlx-vlm's own loader reads back (the references come from the re-loaded
   model, not from the one that was saved);
 * `square.png`, `wide.png`: crops of scikit-image's sample photographs (the inputs);
-* `ref/*.npy` and `ref/manifest.json` (shape, dtype and meaning of every array).
+* `ref/*.npy` and `ref/manifest.json` (shape, dtype and meaning of every array);
+* Gemma 4 only, `ref/audio_*.npy`: a prompt holding an image and an audio clip (the clip's
+  log-mel features from `tests/fixtures/audio`, HF's extractor), its audio soft tokens and
+  logits through the checkpoint's audio tower and decoder (`--audio-only` rewrites just
+  these and the chat template).
 
 Pixel values come from Hugging Face's PIL image processors (`Gemma4ImageProcessorPil`,
 `Gemma3ImageProcessorPil`); the towers, projectors, merge and decoder run in mlx-vlm. Where
@@ -456,7 +460,8 @@ TEMPLATES = {
         "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
         "<|turn>{{ role }}\n"
         "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
-        "{% if item['type'] == 'image' %}<|image|>{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+        "{% if item['type'] == 'image' %}<|image|>{% elif item['type'] == 'audio' %}<|audio|>"
+        "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
         "{% endfor %}{% endif %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
     ),
 }
@@ -583,6 +588,60 @@ def chat_refs(d, family):
     refs.close(info)
 
 
+AUDIO_CLIP = "chirp_16k_s32_stereo"  # 25 frames, the last 4 padding: 7 tower rows, 6 real
+AUDIO_TEXT = "w23 w31"
+
+
+def audio_refs(d):
+    """A prompt holding the square image and an audio clip, as HF's Gemma 4 processor writes
+    it (`replace_image_token`, `replace_audio_token`: `<|audio>`, one `<|audio|>` per real
+    tower row, `<audio|>`), through mlx-vlm's merge (`masked_scatter` of the tower's rows into
+    the audio placeholders) and decoder. The clip's features are HF's (`make_audio_fixtures.py`)."""
+    from transformers import AutoTokenizer
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    (d / "chat_template.jinja").write_text(TEMPLATES["gemma4"])
+    audio_dir = ROOT / "tests" / "fixtures" / "audio"
+    feats = np.load(audio_dir / f"{AUDIO_CLIP}.gemma4.features.npy").astype(np.float32)
+    valid = np.load(audio_dir / f"{AUDIO_CLIP}.gemma4.mask.npy").astype(bool)
+    n_audio = int(valid[::2][::2].sum())
+    model = load_model(d)
+    cfg = json.loads((d / "config.json").read_text())
+    img = Image.open(d / "square.png").convert("RGB")
+    soft_img = image_soft(model, "gemma4", cfg, img)
+    n_img = soft_img.shape[0]
+
+    # the chat turn [image, text, audio] through the template, each marker expanded
+    tok = AutoTokenizer.from_pretrained(str(d))
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": AUDIO_TEXT}, {"type": "audio"}]}]
+    text = tok.apply_chat_template(msgs, chat_template=(d / "chat_template.jinja").read_text(), add_generation_prompt=True, tokenize=False)
+    aud = TOKENS["gemma4"][AUD]
+    text = text.replace(tok.image_token, f"{tok.boi_token}{tok.image_token * n_img}{tok.eoi_token}")
+    text = text.replace(aud, f"{TOKENS['gemma4'][BOA]}{aud * n_audio}{TOKENS['gemma4'][EOA]}")
+    ids = [int(t) for t in np.asarray(tok(text, add_special_tokens=False)["input_ids"])]
+    assert ids.count(AUD) == n_audio and ids.count(IMG) == n_img
+
+    input_ids = mx.array([ids], dtype=mx.int32)
+    emb = model.get_input_embeddings(input_ids=input_ids, pixel_values=mx.zeros((1,)), cached_image_features=soft_img[None],
+                                     audio_features=mx.array(feats[None]), audio_mask=mx.array(~valid[None]))
+    enc, _ = model.audio_tower(mx.array(feats[None]), mx.array(~valid[None]))
+    soft_audio = np32(model.embed_audio(enc))[0][:n_audio]
+    merged = np32(emb.inputs_embeds)[0]
+    assert np.abs(merged[np.array(ids) == AUD] - soft_audio).max() == 0, "audio soft tokens not scattered"
+    out = model.language_model(inputs=input_ids, inputs_embeds=emb.inputs_embeds, per_layer_inputs=emb.per_layer_inputs)
+
+    refs = Refs(d)
+    refs.manifest = json.loads((refs.dir / "manifest.json").read_text())
+    info = refs.manifest.pop("_info")
+    refs.put("audio_features", feats, f"log-mel features of tests/fixtures/audio/{AUDIO_CLIP}.wav (HF's extractor), the tower's input")
+    refs.put("audio_valid", valid.astype(np.uint8), "frame mask of audio_features (1: a real frame)")
+    refs.put("audio_soft", soft_audio, "audio soft tokens: embed_audio(audio_tower(features)), the rows of real frames [N, D_text]")
+    refs.put("audio_chat_ids", np.array(ids, np.int32), f"a user turn [image square.png, text {AUDIO_TEXT!r}, audio] with the generation prompt, markers expanded as HF does")
+    refs.put("audio_merged_embeds", merged, "decoder input: text rows * sqrt(D), image and audio rows = their soft tokens")
+    refs.put("audio_logits", np32(out.logits)[0], "logits of every position of audio_chat_ids")
+    refs.close(info)
+
+
 def quantized_variant(src, dst, mode, bits, group, vision_dtype, skip_vision=True):
     """`src` re-stored the way `mlx_vlm.convert` writes a quantized model: the text model
     quantized (`mode`, `bits`, `group`), the towers kept float (cast to `vision_dtype`) unless
@@ -623,7 +682,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["gemma4", "gemma3"], action="append")
     ap.add_argument("--chat-only", action="store_true", help="only (re)write the tokenizers, chat templates and chat references")
+    ap.add_argument("--audio-only", action="store_true", help="only (re)write Gemma 4's audio prompt references")
     a = ap.parse_args()
+    if a.audio_only:
+        audio_refs(OUT / "gemma4")
+        return
     if a.chat_only:
         for fam in ("gemma4", "gemma3"):
             if not a.only or fam in a.only:
@@ -637,6 +700,8 @@ def main():
             shutil.rmtree(d)
         f(d)
         chat_refs(d, fam)
+        if fam == "gemma4":
+            audio_refs(d)
         size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
         print(f"{fam}: {size / 1e6:.2f} MB in {d.relative_to(ROOT)}")
     for name, src, mode, bits, group, vdt, towers in VARIANTS:

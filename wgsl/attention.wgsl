@@ -129,7 +129,7 @@ var<workgroup> qn: array<f32, QV4 * 4u>;
 
 fn q_norm_scale(i: u32) -> f32 {
 //#if HAS_NW
-    return nw_scale(nw[nw_word(i, NDT)], i, NDT, rp.norm_mode);
+    return nw_scale(nw[word_of(i, NDT)], i, NDT, rp.norm_mode);
 //#else
     return 1.0;
 //#endif
@@ -158,7 +158,7 @@ var<workgroup> kn: array<f32, QV4 * 4u>;
 
 fn k_norm_scale(i: u32) -> f32 {
 //#if HAS_NW
-    return nw_scale(kw[nw_word(i, NDT)], i, NDT, rp.norm_mode);
+    return nw_scale(kw[word_of(i, NDT)], i, NDT, rp.norm_mode);
 //#else
     return 1.0;
 //#endif

@@ -117,6 +117,19 @@ fn f16x2_pick(word: u32, i: u32, dt: u32) -> f32 {
     return f16_bits_to_f32(h);
 }
 
+// Element i of a float vector stored as dtype dt (0 bf16, 1 f16, 2 f32) from its word.
+fn vec_el(word: u32, i: u32, dt: u32) -> f32 {
+    if dt == 2u {
+        return bitcast<f32>(word);
+    }
+    return f16x2_pick(word, i, dt);
+}
+
+// Word of a float vector of dtype `dt` holding element i.
+fn word_of(i: u32, dt: u32) -> u32 {
+    return select(i >> 1u, i, dt == 2u);
+}
+
 // The scale an RMSNorm applies from its weight value w: mode 2 `1 + w`, 1 `w`, 0 none (1).
 fn norm_w_scale(w: f32, mode: u32) -> f32 {
     if mode == 2u {
@@ -128,20 +141,9 @@ fn norm_w_scale(w: f32, mode: u32) -> f32 {
     return 1.0;
 }
 
-// Word of a norm weight of dtype `dt` (0 bf16, 1 f16, 2 f32) holding element i.
-fn nw_word(i: u32, dt: u32) -> u32 {
-    return select(i >> 1u, i, dt == 2u);
-}
-
-// The scale of norm weight element i (`word`: its `nw_word`) under `mode` (see norm_w_scale).
+// The scale of norm weight element i (`word`: its `word_of`) under `mode` (see norm_w_scale).
 fn nw_scale(word: u32, i: u32, dt: u32, mode: u32) -> f32 {
-    var w: f32;
-    if dt == 2u {
-        w = bitcast<f32>(word);
-    } else {
-        w = f16x2_pick(word, i, dt);
-    }
-    return norm_w_scale(w, mode);
+    return norm_w_scale(vec_el(word, i, dt), mode);
 }
 
 // tanh with the argument clamped to [-15, 15] (as the CPU reference).

@@ -32,10 +32,7 @@ struct Params {
 
 //#if BINARY
 fn b_at(i: u32) -> f32 {
-    if BDT == 2u {
-        return bitcast<f32>(b[i]);
-    }
-    return f16x2_pick(b[i >> 1u], i, BDT);
+    return vec_el(b[word_of(i, BDT)], i, BDT);
 }
 //#endif
 

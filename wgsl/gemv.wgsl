@@ -172,7 +172,7 @@ fn nscale1(k: u32) -> f32 {
     if k >= p.K {
         return 1.0;
     }
-    return nw_scale(nw[nw_word(k, NDT)], k, NDT, p.norm_mode);
+    return nw_scale(nw[word_of(k, NDT)], k, NDT, p.norm_mode);
 //#else
     return 1.0;
 //#endif

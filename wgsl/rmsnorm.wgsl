@@ -36,7 +36,7 @@ struct Params {
 
 fn norm_scale(i: u32) -> f32 {
 //#if HAS_W
-    return nw_scale(nw[nw_word(i, NDT)], i, NDT, p.mode);
+    return nw_scale(nw[word_of(i, NDT)], i, NDT, p.mode);
 //#else
     return 1.0;
 //#endif

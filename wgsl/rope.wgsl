@@ -63,7 +63,7 @@ fn x_row(row: u32) -> u32 {
 //#if NORM
 fn norm_scale(i: u32) -> f32 {
 //#if HAS_NW
-    return nw_scale(nw[nw_word(i, NDT)], i, NDT, p.norm_mode);
+    return nw_scale(nw[word_of(i, NDT)], i, NDT, p.norm_mode);
 //#else
     return 1.0;
 //#endif

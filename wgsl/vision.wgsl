@@ -59,21 +59,6 @@ struct Params {
 //#endif
 //#endif
 
-// Element i of a float vector stored as dtype dt (0 bf16, 1 f16, 2 f32) from its word.
-fn vec_el(word: u32, i: u32, dt: u32) -> f32 {
-    if dt == 2u {
-        return bitcast<f32>(word);
-    }
-    return f16x2_pick(word, i, dt);
-}
-
-fn word_of(i: u32, dt: u32) -> u32 {
-    if dt == 2u {
-        return i;
-    }
-    return i >> 1u;
-}
-
 //#if CLAMP
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {

@@ -7,15 +7,18 @@
 //!   audio soft tokens exactly as the Gemma 4 and Gemma 3n feature extractors of HF
 //!   transformers do, with the settings of the checkpoint's processor config when present.
 //! * [`split_clip`] applies the [`LongClips`] policy to clips longer than the model takes.
+//! * [`AudioEncoder`] runs Gemma 4's audio tower over the features: the clip's soft tokens.
 //!
 //! Every failure (unreadable, truncated or corrupt file, unsupported codec, empty clip, NaN
 //! samples, a clip beyond the duration limit) is an [`Error::Audio`] naming the file.
 
 mod decode;
+pub mod encode;
 mod features;
 mod resample;
 mod wav;
 
+pub use encode::AudioEncoder;
 pub use features::{mel_filter_bank, FeatureConfig, FeatureExtractor, Features, Family};
 pub use resample::resample;
 

@@ -29,6 +29,7 @@ use super::shader::{reflect_bindings, BindKind, Source};
 use super::weights::GpuFormat;
 
 pub use super::ops::argmax::{ArgmaxKernel, ArgmaxParams};
+pub use super::ops::audio::{AudioKernel, AudioParams, MAX_AUDIO_HEAD_DIM, MAX_AUDIO_WINDOW};
 pub use super::ops::attention::{attention_splits, AttentionKernel, AttentionParams, AttnScratch, MAX_HEAD_DIM};
 pub use super::ops::copy::{CopyKernel, CopyParams};
 pub use super::ops::elementwise::{ElementwiseKernel, ElementwiseParams};
@@ -153,6 +154,8 @@ pub enum KernelSpec {
     Sample { stage: u32 },
     /// The vision towers' ops (`vision.wgsl`).
     Vision(super::ops::vision::VisionKernel),
+    /// The audio tower's ops (`audio.wgsl`).
+    Audio(super::ops::audio::AudioKernel),
 }
 
 

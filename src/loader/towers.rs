@@ -81,9 +81,10 @@ pub struct TowerSummary {
     pub vision_storage: Vec<String>,
     /// Soft tokens per image (Gemma 4: the default budget).
     pub soft_tokens: usize,
-    /// Audio tower tensors, listed (audio input is not supported by the engine yet; the tower
-    /// itself loads: [`Checkpoint::load_audio_tower`]).
+    /// Audio tower tensors, listed.
     pub audio_tensors: Vec<String>,
+    /// Conformer blocks of the audio tower, where the engine runs it (Gemma 4's).
+    pub audio_layers: Option<usize>,
 }
 
 impl Checkpoint {
@@ -138,11 +139,8 @@ impl Checkpoint {
                 r.push(Problem::tensor(Severity::Warning, name, pre, "unexpected tensor ignored: not used by the vision tower"));
             }
         }
-        if !audio.is_empty() {
-            r.push(Problem::warning(
-                "audio_tower",
-                format!("{} audio tensors ignored: audio input is not supported (text and images are)", audio.len()),
-            ));
+        if !audio.is_empty() && self.audio_config().ok().flatten().is_none() {
+            r.push(Problem::warning("audio_tower", format!("{} audio tensors ignored: this audio tower is not supported (Gemma 4's is)", audio.len())));
         }
         r
     }
@@ -230,7 +228,11 @@ impl Checkpoint {
     /// What the towers hold, for `inspect` (`None` values when the config has no vision tower
     /// or cannot be read).
     pub fn tower_summary(&self) -> TowerSummary {
-        let mut s = TowerSummary { audio_tensors: self.audio_tensors().iter().map(|n| n.to_string()).collect(), ..Default::default() };
+        let mut s = TowerSummary {
+            audio_tensors: self.audio_tensors().iter().map(|n| n.to_string()).collect(),
+            audio_layers: self.audio_config().ok().flatten().map(|a| a.layers),
+            ..Default::default()
+        };
         let Ok(Some(vc)) = self.vision_config() else { return s };
         s.vision = Some(vc.kind.name().to_string());
         s.vision_layers = vc.layers;

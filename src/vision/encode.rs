@@ -13,6 +13,7 @@ use crate::exec::{Executor, GraphKey};
 use crate::gpu::runtime::GpuExecutor;
 use crate::loader::Checkpoint;
 use crate::model::DeviceKind;
+use crate::weights::Weights;
 use crate::Error;
 
 use super::processor::{read_processor_config, Gemma3Processor, Gemma4Processor};
@@ -23,17 +24,78 @@ enum Processor {
     Gemma4(Gemma4Processor),
 }
 
-enum Runner {
+/// A tower's weights on the CPU reference executor or the GPU.
+pub(crate) enum Runner {
     Cpu(CpuWeights),
     Gpu(Box<GpuExecutor>),
 }
 
-/// One image's soft tokens: `[tokens, width]` row-major.
-#[derive(Clone, Debug, PartialEq)]
+impl Runner {
+    pub(crate) fn new(weights: Weights, device: DeviceKind, check_nan: bool) -> Result<Runner, Error> {
+        let weights = Arc::new(weights);
+        Ok(match device {
+            DeviceKind::Cpu => Runner::Cpu(CpuWeights::new(weights)),
+            DeviceKind::Gpu(b) => Runner::Gpu(Box::new(GpuExecutor::new(b, weights, check_nan).map_err(Error::Device)?)),
+        })
+    }
+
+    /// The `soft` output of a tower graph run once over `step`.
+    pub(crate) fn soft(&mut self, c: &Compiled, step: &StepInputs) -> Result<Vec<f32>, Error> {
+        Ok(match self {
+            Runner::Cpu(w) => exec::run(c, w, &mut CpuState::default(), step).map_err(Error::Device)?["soft"].f().to_vec(),
+            Runner::Gpu(g) => {
+                let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
+                g.run(key, c, step, true).map_err(Error::Device)?.logits.ok_or_else(|| Error::Device("no soft tokens read back".into()))?
+            }
+        })
+    }
+}
+
+/// What a run of soft tokens stands for: the placeholder id it fills.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Modality {
+    #[default]
+    Image,
+    Audio,
+}
+
+impl Modality {
+    pub fn name(self) -> &'static str {
+        match self {
+            Modality::Image => "image",
+            Modality::Audio => "audio",
+        }
+    }
+}
+
+/// One image's or clip's soft tokens: `[tokens, width]` row-major.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct SoftTokens {
     pub tokens: usize,
     pub width: usize,
     pub data: Vec<f32>,
+    pub kind: Modality,
+}
+
+/// The placeholder ids of a decoder's soft tokens (`None`: it takes no such input).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placeholders {
+    pub image: Option<u32>,
+    pub audio: Option<u32>,
+}
+
+impl Placeholders {
+    pub fn id(&self, kind: Modality) -> Option<u32> {
+        match kind {
+            Modality::Image => self.image,
+            Modality::Audio => self.audio,
+        }
+    }
+
+    /// Whether `t` is a placeholder of any kind.
+    pub fn holds(&self, t: u32) -> bool {
+        self.image == Some(t) || self.audio == Some(t)
+    }
 }
 
 /// A checkpoint's vision tower, ready to encode images.
@@ -65,11 +127,7 @@ impl ImageEncoder {
         // the weights are the same for every grid: load them through the smallest graph
         let g = cp.tower_graph(&vc, vc.pool, vc.pool)?;
         let (weights, _) = cp.load_tower(&vc, &g)?;
-        let weights = Arc::new(weights);
-        let runner = match device {
-            DeviceKind::Cpu => Runner::Cpu(CpuWeights::new(weights)),
-            DeviceKind::Gpu(b) => Runner::Gpu(Box::new(GpuExecutor::new(b, weights, check_nan).map_err(Error::Device)?)),
-        };
+        let runner = Runner::new(weights, device, check_nan)?;
         Ok(ImageEncoder { cp, vc, proc, runner, graphs: HashMap::new() })
     }
 
@@ -108,17 +166,10 @@ impl ImageEncoder {
                 TowerKind::Gemma4Vit => StepInputs { pixels: &pixels, patch_x: &a, patch_y: &b, ..Default::default() },
                 TowerKind::Siglip => StepInputs { pixels: &pixels, positions: &a, ..Default::default() },
             };
-            let soft = match &mut self.runner {
-                Runner::Cpu(w) => exec::run(c, w, &mut CpuState::default(), &step).map_err(Error::Device)?["soft"].f().to_vec(),
-                Runner::Gpu(g) => {
-                    let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
-                    g.run(key, c, &step, true).map_err(Error::Device)?.logits.ok_or_else(|| Error::Device("no soft tokens read back".into()))?
-                }
-            };
-            data.extend(soft);
+            data.extend(self.runner.soft(c, &step)?);
         }
         let width = self.vc.text_hidden;
-        Ok(SoftTokens { tokens: data.len() / width, width, data })
+        Ok(SoftTokens { tokens: data.len() / width, width, data, kind: Modality::Image })
     }
 }
 
@@ -177,54 +228,90 @@ pub fn span_ends(ids: &[u32], image_token: u32) -> Vec<u32> {
     ends
 }
 
-/// Puts the soft tokens of `images` in order into the placeholder runs of `ids` (every
-/// `image_token` takes the next row). The placeholders must match the images' rows exactly.
-pub fn image_prompt(ids: &[u32], image_token: u32, images: &[SoftTokens]) -> Result<ImagePrompt, Error> {
-    let placeholders = ids.iter().filter(|&&t| t == image_token).count();
-    let rows: usize = images.iter().map(|s| s.tokens).sum();
-    if placeholders != rows {
-        let per: Vec<usize> = images.iter().map(|s| s.tokens).collect();
-        return Err(Error::Input(format!(
-            "the prompt has {placeholders} image placeholders (id {image_token}) but the images make {rows} soft tokens {per:?}"
-        )));
+/// Puts the soft tokens of `soft` into the placeholder runs of `ids`: every image
+/// placeholder takes the next image row, every audio placeholder the next audio row, in
+/// order (as HF scatters each kind). The placeholders of each kind must match its rows
+/// exactly.
+pub fn soft_prompt(ids: &[u32], ph: &Placeholders, soft: &[SoftTokens]) -> Result<ImagePrompt, Error> {
+    if let Some(w) = soft.iter().map(|s| s.width).find(|&w| w != soft[0].width) {
+        return Err(Error::Input(format!("soft tokens of widths {} and {w}", soft[0].width)));
     }
-    if let Some(w) = images.iter().map(|s| s.width).find(|&w| w != images[0].width) {
-        return Err(Error::Input(format!("soft tokens of widths {} and {w}", images[0].width)));
+    // per kind: its placeholder id and the index of its first row in `soft_rows`
+    let mut first = vec![];
+    let mut soft_rows = vec![];
+    for kind in [Modality::Image, Modality::Audio] {
+        let of_kind: Vec<&SoftTokens> = soft.iter().filter(|s| s.kind == kind).collect();
+        let rows: usize = of_kind.iter().map(|s| s.tokens).sum();
+        let placeholders = ph.id(kind).map_or(0, |id| ids.iter().filter(|&&t| t == id).count());
+        let what = kind.name();
+        match ph.id(kind) {
+            None if rows > 0 => return Err(Error::Input(format!("this model takes no {what} input, but {} {what} soft tokens were given", rows))),
+            _ if placeholders != rows => {
+                let per: Vec<usize> = of_kind.iter().map(|s| s.tokens).collect();
+                let id = ph.id(kind).unwrap_or_default();
+                return Err(Error::Input(format!(
+                    "the prompt has {placeholders} {what} placeholders (id {id}) but the {what} inputs make {rows} soft tokens {per:?}"
+                )));
+            }
+            _ => {}
+        }
+        if let Some(id) = ph.id(kind) {
+            first.push((id, (soft_rows.len() / soft.first().map_or(1, |s| s.width.max(1))) as u32));
+        }
+        soft_rows.extend(of_kind.iter().flat_map(|s| s.data.iter().copied()));
     }
-    let mut next = 0u32;
+    let mut next: Vec<u32> = first.iter().map(|f| f.1).collect();
     let mut soft_index = Vec::with_capacity(ids.len());
     let mut tokens = Vec::with_capacity(ids.len());
     for &t in ids {
-        if t == image_token {
-            next += 1;
-            soft_index.push(next);
-            tokens.push(0);
-        } else {
-            soft_index.push(0);
-            tokens.push(t);
+        match first.iter().position(|f| f.0 == t) {
+            Some(k) => {
+                next[k] += 1;
+                soft_index.push(next[k]);
+                tokens.push(0);
+            }
+            None => {
+                soft_index.push(0);
+                tokens.push(t);
+            }
         }
     }
-    let span_ends = span_ends(ids, image_token);
-    Ok(ImagePrompt { tokens, soft_rows: images.iter().flat_map(|s| s.data.iter().copied()).collect(), soft_index, span_ends })
+    let span_ends = span_ends(ids, ph.image.unwrap_or(u32::MAX));
+    Ok(ImagePrompt { tokens, soft_rows, soft_index, span_ends })
 }
 
-/// The logits of every position of `ids` (holding each image's placeholder run, in order)
-/// with the soft tokens of `images` in place: the images encoded, the prompt's graph built with
-/// their rows (Gemma 3: each image's span attending to itself bidirectionally), run once on
-/// `device`. Returns the logits `[T, V]` and V.
-pub fn logits_with_images(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
+/// The logits of every position of `ids` (holding each image's and clip's placeholder run, in
+/// order) with the soft tokens of `images` and `clips` in place: the files read first, then
+/// encoded, the prompt's graph built with their rows (Gemma 3: each image's span attending to
+/// itself bidirectionally), run once on `device`. Returns the logits `[T, V]` and V.
+pub fn logits_with_soft(dir: &Path, ids: &[u32], images: &[std::path::PathBuf], clips: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize), String> {
     let decoded = images.iter().map(|p| super::load_image(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
-    let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
-    let soft = decoded.iter().map(|img| enc.encode(img)).collect::<Result<Vec<_>, _>>()?;
-    let vc = enc.vision_config().clone();
-    let p = image_prompt(ids, vc.image_token, &soft)?;
-    let cp = &enc.cp;
+    let samples = crate::audio::encode::read_clips(dir, clips)?;
+    let cp = Checkpoint::open(dir).map_err(|e| e.to_string())?;
+    let mut soft = vec![];
+    let mut ph = Placeholders::default();
+    if !decoded.is_empty() {
+        let mut enc = ImageEncoder::open(dir, device, None, check_nan)?;
+        ph.image = Some(enc.vision_config().image_token);
+        for img in &decoded {
+            soft.push(enc.encode(img)?);
+        }
+    }
+    if !samples.is_empty() {
+        let mut enc = crate::audio::AudioEncoder::open(dir, device, check_nan)?;
+        ph.audio = Some(enc.audio_config().audio_token);
+        for s in &samples {
+            soft.push(enc.encode(s)?);
+        }
+    }
+    let p = soft_prompt(ids, &ph, &soft)?;
+    let width = cp.config().hidden_size;
     let t = ids.len();
     let max = cp.config().max_position_embeddings;
     if t > max {
         return Err(format!("{t} tokens exceed the model's {max} positions"));
     }
-    let opts = markbase_graph::BuildOptions { soft_rows: p.soft_rows.len() / vc.text_hidden, ..markbase_graph::BuildOptions::prefill(t, t) };
+    let opts = markbase_graph::BuildOptions { soft_rows: p.soft_rows.len() / width, ..markbase_graph::BuildOptions::prefill(t, t) };
     let g = cp.build(opts).map_err(|e| e.to_string())?;
     let (w, _) = cp.load_weights(&g).map_err(|e| e.to_string())?;
     let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;

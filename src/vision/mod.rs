@@ -8,5 +8,5 @@ pub mod prompt;
 pub mod resample;
 
 pub use self::image::{decode_image, load_image, ImageError, RgbImage};
-pub use encode::{ImageEncoder, SoftTokens};
+pub use encode::{ImageEncoder, Modality, Placeholders, SoftTokens};
 pub use processor::{Gemma3Processor, Gemma4Processor, PatchedImage, SquashedImage};

@@ -1,5 +1,5 @@
-//! Prompts with images for a [`Session`]: text and images in order, each image's placeholder
-//! run where Hugging Face's processors put it, and the images' soft tokens.
+//! Prompts with images and audio clips for a [`Session`]: text, images and clips in order,
+//! each one's placeholder run where Hugging Face's processors put it, and their soft tokens.
 //!
 //! ```no_run
 //! use markbase::model::{GenerateParams, Model, ModelOptions};
@@ -14,38 +14,47 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use markbase_graph::audio::AudioConfig;
 use markbase_graph::vision::{TowerKind, VisionConfig};
 
 use crate::engine::{Error, Session};
 use crate::generate::{GenerateParams, Generation};
 use crate::tokenizer::{ContentPart, PartsMessage, Tokenizer};
 
+use super::encode::{Modality, Placeholders};
 use super::{RgbImage, SoftTokens};
 
-/// A prompt ready for a session: token ids holding each image's placeholder run, and the
-/// soft tokens that fill the runs, in order.
+/// A prompt ready for a session: token ids holding each image's and clip's placeholder run,
+/// and the soft tokens that fill the runs (each kind in order).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Prompt {
-    /// The ids, each image as its run of placeholders (the image token).
+    /// The ids, each image and clip as its run of placeholders (the image or audio token).
     pub ids: Vec<u32>,
     /// The soft tokens of the runs, in order.
-    pub images: Vec<SoftTokens>,
+    pub soft: Vec<SoftTokens>,
 }
 
 impl Prompt {
     /// The prompt after its first `from` tokens, as `(start, rest)`: `start` is `from`, or the
     /// start of the placeholder run `from` would cut (a run is fed whole), and `rest` holds the
     /// soft tokens of the runs after it.
-    pub fn tail(&self, from: usize, image_token: u32) -> (usize, Prompt) {
+    pub fn tail(&self, from: usize, ph: &Placeholders) -> (usize, Prompt) {
         let mut start = from.min(self.ids.len());
-        while start > 0 && start < self.ids.len() && self.ids[start] == image_token && self.ids[start - 1] == image_token {
+        while start > 0 && start < self.ids.len() && ph.holds(self.ids[start]) && self.ids[start - 1] == self.ids[start] {
             start -= 1;
         }
-        let before = self.ids[..start].iter().filter(|&&t| t == image_token).count();
-        let width = self.images.first().map_or(0, |s| s.width);
-        let rows: Vec<f32> = self.images.iter().flat_map(|s| s.data.iter().copied()).skip(before * width).collect();
-        let images = if rows.is_empty() { vec![] } else { vec![SoftTokens { tokens: rows.len() / width, width, data: rows }] };
-        (start, Prompt { ids: self.ids[start..].to_vec(), images })
+        let mut soft = vec![];
+        for kind in [Modality::Image, Modality::Audio] {
+            let Some(id) = ph.id(kind) else { continue };
+            let before = self.ids[..start].iter().filter(|&&t| t == id).count();
+            let of_kind: Vec<&SoftTokens> = self.soft.iter().filter(|s| s.kind == kind).collect();
+            let width = of_kind.first().map_or(0, |s| s.width);
+            let rows: Vec<f32> = of_kind.iter().flat_map(|s| s.data.iter().copied()).skip(before * width).collect();
+            if !rows.is_empty() {
+                soft.push(SoftTokens { tokens: rows.len() / width, width, data: rows, kind });
+            }
+        }
+        (start, Prompt { ids: self.ids[start..].to_vec(), soft })
     }
 }
 
@@ -56,6 +65,9 @@ pub enum Part {
     Text(String),
     /// An image: its soft tokens, where the processor puts them.
     Image(RgbImage),
+    /// An audio clip, mono samples at the feature extractor's rate (16 kHz; see
+    /// [`crate::audio::load`]): its soft tokens, where the processor puts them.
+    Audio(Vec<f32>),
 }
 
 /// The text that stands for one image before the processor expands it (what a chat template
@@ -100,27 +112,62 @@ pub fn expand_markers(tk: &Tokenizer, vc: &VisionConfig, text: &str, images: &[S
     Ok(out)
 }
 
+/// The text that stands for one clip before the processor expands it (what a chat template
+/// writes for an audio item): Gemma 4's `<|audio|>`.
+pub fn audio_marker(tk: &Tokenizer, ac: &AudioConfig) -> Result<String, Error> {
+    token(tk, ac.audio_token)
+}
+
+/// `text` with each audio marker replaced by the run of the next clip of `clips` as HF's
+/// processor writes it: `boa, N × audio, eoa`.
+pub fn expand_audio_markers(tk: &Tokenizer, ac: &AudioConfig, text: &str, clips: &[SoftTokens]) -> Result<String, Error> {
+    let marker = audio_marker(tk, ac)?;
+    let pieces: Vec<&str> = text.split(marker.as_str()).collect();
+    if pieces.len() - 1 != clips.len() {
+        return Err(Error::Input(format!("the prompt has {} audio markers ({marker}) for {} clips", pieces.len() - 1, clips.len())));
+    }
+    let (boa, eoa) = (token(tk, ac.boa_token)?, token(tk, ac.eoa_token)?);
+    let mut out = pieces[0].to_string();
+    for (s, piece) in clips.iter().zip(&pieces[1..]) {
+        out.push_str(&format!("{boa}{}{eoa}", marker.repeat(s.tokens)));
+        out.push_str(piece);
+    }
+    Ok(out)
+}
+
 impl Session {
     /// The soft tokens of each image (the checkpoint's vision tower, on the session's device).
     pub fn encode_images(&self, images: &[RgbImage]) -> Result<Vec<SoftTokens>, Error> {
         images.iter().map(|i| self.engine().encode_image(i)).collect()
     }
 
+    /// The soft tokens of each clip (mono samples at the feature extractor's rate; the
+    /// checkpoint's audio tower, on the session's device).
+    pub fn encode_clips(&self, clips: &[Vec<f32>]) -> Result<Vec<SoftTokens>, Error> {
+        clips.iter().map(|c| self.engine().encode_audio(c)).collect()
+    }
+
     /// The prompt of `parts` in order: with `chat`, one user message through the checkpoint's
-    /// chat template (an image item per image); else the text with an image marker per image
-    /// and BOS first. Images are encoded here.
+    /// chat template (an image item per image, an audio item per clip); else the text with a
+    /// marker per image and clip and BOS first. Images and clips are encoded here.
     pub fn prompt(&self, parts: &[Part], chat: bool) -> Result<Prompt, Error> {
         let imgs: Vec<RgbImage> = parts.iter().filter_map(|p| if let Part::Image(i) = p { Some(i.clone()) } else { None }).collect();
+        let clips: Vec<Vec<f32>> = parts.iter().filter_map(|p| if let Part::Audio(c) = p { Some(c.clone()) } else { None }).collect();
         if !imgs.is_empty() {
             self.engine().vision_or_err()?;
         }
-        let images = self.encode_images(&imgs)?;
+        if !clips.is_empty() {
+            self.engine().audio_or_err()?;
+        }
+        let mut soft = self.encode_images(&imgs)?;
+        soft.extend(self.encode_clips(&clips)?);
         if chat {
             let content = parts.iter().map(|p| match p {
                 Part::Text(t) => ContentPart::Text { text: t.clone() },
                 Part::Image(_) => ContentPart::Image,
+                Part::Audio(_) => ContentPart::Audio,
             });
-            return self.chat_prompt(&[PartsMessage::new("user", content.collect())], images);
+            return self.chat_prompt(&[PartsMessage::new("user", content.collect())], soft);
         }
         let tk = self.tokenizer()?;
         let mut text = String::new();
@@ -128,40 +175,50 @@ impl Session {
             match p {
                 Part::Text(t) => text.push_str(t),
                 Part::Image(_) => text.push_str(&image_marker(tk, self.engine().vision_or_err()?)?),
+                Part::Audio(_) => text.push_str(&audio_marker(tk, self.engine().audio_or_err()?)?),
             }
         }
-        self.text_prompt(&text, images, true)
+        self.text_prompt(&text, soft, true)
     }
 
     /// The prompt of `messages` through the checkpoint's chat template (with the generation
-    /// prompt): `images` are the soft tokens of their image items, in order.
-    pub fn chat_prompt(&self, messages: &[PartsMessage], images: Vec<SoftTokens>) -> Result<Prompt, Error> {
+    /// prompt): `soft` are the soft tokens of their image and audio items, each kind in order.
+    pub fn chat_prompt(&self, messages: &[PartsMessage], soft: Vec<SoftTokens>) -> Result<Prompt, Error> {
         let text = self.tokenizer()?.apply_chat_template(messages, true)?;
-        let n: usize = messages.iter().map(|m| m.images()).sum();
-        if n != images.len() {
-            return Err(Error::Input(format!("the messages have {n} image items for {} images", images.len())));
+        for (kind, n) in [(Modality::Image, messages.iter().map(|m| m.images()).sum::<usize>()), (Modality::Audio, messages.iter().map(|m| m.clips()).sum())] {
+            let given = soft.iter().filter(|s| s.kind == kind).count();
+            if n != given {
+                return Err(Error::Input(format!("the messages have {n} {} items for {given} soft-token runs", kind.name())));
+            }
         }
-        self.text_prompt(&text, images, true).map_err(|e| match e {
-            Error::Input(m) if m.contains("image markers") => Error::Input(format!("{m}: the chat template does not render image items")),
+        self.text_prompt(&text, soft, true).map_err(|e| match e {
+            Error::Input(m) if m.contains(" markers (") => Error::Input(format!("{m}: the chat template does not render these items")),
             e => e,
         })
     }
 
-    /// The prompt of `text`, each image marker in it expanded into the next image's run.
-    pub fn text_prompt(&self, text: &str, images: Vec<SoftTokens>, add_bos: bool) -> Result<Prompt, Error> {
+    /// The prompt of `text`, each image marker in it expanded into the next image's run and
+    /// each audio marker into the next clip's.
+    pub fn text_prompt(&self, text: &str, soft: Vec<SoftTokens>, add_bos: bool) -> Result<Prompt, Error> {
         let tk = self.tokenizer()?;
+        let (images, clips): (Vec<SoftTokens>, Vec<SoftTokens>) = soft.iter().cloned().partition(|s| s.kind == Modality::Image);
         let text = match self.engine().vision_config() {
             Some(vc) => expand_markers(tk, vc, text, &images)?,
             None if images.is_empty() => text.to_string(),
             None => return Err(self.engine().vision_or_err().unwrap_err()),
         };
-        Ok(Prompt { ids: tk.encode(&text, add_bos)?, images })
+        let text = match self.engine().audio_config() {
+            Some(ac) => expand_audio_markers(tk, ac, &text, &clips)?,
+            None if clips.is_empty() => text,
+            None => return Err(self.engine().audio_or_err().unwrap_err()),
+        };
+        Ok(Prompt { ids: tk.encode(&text, add_bos)?, soft })
     }
 
     /// Streams up to `max_tokens` tokens after the prompt `p` (a fresh sequence).
     pub fn generate_prompt(&mut self, p: &Prompt, params: GenerateParams) -> Result<Generation<'_>, Error> {
         params.sampling.validate().map_err(Error::Sampling)?;
         self.reset();
-        self.generate_after_with_images(&p.ids, &p.images, params)
+        self.generate_after_with_images(&p.ids, &p.soft, params)
     }
 }

@@ -771,50 +771,59 @@ impl MatMulKernel {
     }
 }
 
+/// Records the dispatches of `y = x Wᵀ` over `rows` rows of `x` (an `Op::MatMul`, or a
+/// matmul another op's lowering needs): the f16 GEMM's row scales first where it runs, then
+/// one dispatch per chunk of `w`.
+pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
+    let (dev, kernels) = (cx.dev(), cx.kernels);
+    let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
+    let scales = if k.is_f16() {
+        // the row scales of x, for every chunk's GEMM
+        let bytes = (rows.max(1) * 4) as u64;
+        if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
+            let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
+            cx.acc.scratch.push(b.clone());
+            cx.acc.row_scales = Some(b);
+        }
+        let sb = cx.acc.row_scales.clone().expect("allocated above");
+        let rk = kernels.row_scale().map_err(cx.kerr())?;
+        let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
+        let bg = rk.bind_buffers(dev, &[(0, &p), (1, x), (7, &sb)]);
+        cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
+        Some(sb)
+    } else {
+        None
+    };
+    for ci in 0..w.chunks.len() {
+        let d = MatMulDims::plain(w, ci, rows);
+        let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
+        let bg = if k.is_split() {
+            let (pb, cb) = k.split_scratch_bytes(&d);
+            if cx.acc.split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
+                let pair = (cx.gpu.try_storage("gemm.partials", pb).map_err(|e| e.to_string())?, cx.gpu.try_storage("gemm.counters", cb).map_err(|e| e.to_string())?);
+                cx.acc.scratch.extend([pair.0.clone(), pair.1.clone()]);
+                cx.acc.split_scratch = Some(pair);
+            }
+            let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
+            k.bind_group_split(dev, &p, x, y, part, done, w, ci)
+        } else if let Some(sb) = &scales {
+            k.bind_group_f16(dev, &p, x, y, sb, w, ci)
+        } else {
+            k.bind_group(dev, &p, x, y, None, w, ci)
+        };
+        cx.push(k.kernel.clone(), bg, k.groups(&d));
+    }
+    Ok(())
+}
+
 /// Lowers the matmul ops.
 pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
     let (dev, kernels, op) = (cx.dev(), cx.kernels, cx.op);
     match op {
         Op::MatMul => {
-            let w = cx.mat(1)?;
             let rows = cx.graph.node(cx.ins[0]).ty.rows();
-            let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
-            let scales = if k.is_f16() {
-                // the row scales of x, for every chunk's GEMM
-                let bytes = (rows.max(1) * 4) as u64;
-                if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
-                    let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
-                    cx.acc.scratch.push(b.clone());
-                    cx.acc.row_scales = Some(b);
-                }
-                let sb = cx.acc.row_scales.clone().expect("allocated above");
-                let rk = kernels.row_scale().map_err(cx.kerr())?;
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
-                let bg = rk.bind_buffers(dev, &[(0, &p), (1, &cx.input(0)?), (7, &sb)]);
-                cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
-                Some(sb)
-            } else {
-                None
-            };
-            for ci in 0..w.chunks.len() {
-                let d = MatMulDims::plain(w, ci, rows);
-                let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
-                let bg = if k.is_split() {
-                    let (pb, cb) = k.split_scratch_bytes(&d);
-                    if cx.acc.split_scratch.as_ref().is_none_or(|(a, b)| a.size() < pb || b.size() < cb) {
-                        let pair = (cx.gpu.try_storage("gemm.partials", pb).map_err(|e| e.to_string())?, cx.gpu.try_storage("gemm.counters", cb).map_err(|e| e.to_string())?);
-                        cx.acc.scratch.extend([pair.0.clone(), pair.1.clone()]);
-                        cx.acc.split_scratch = Some(pair);
-                    }
-                    let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
-                    k.bind_group_split(dev, &p, &cx.input(0)?, &cx.out()?, part, done, w, ci)
-                } else if let Some(sb) = &scales {
-                    k.bind_group_f16(dev, &p, &cx.input(0)?, &cx.out()?, sb, w, ci)
-                } else {
-                    k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, None, w, ci)
-                };
-                cx.push(k.kernel.clone(), bg, k.groups(&d));
-            }
+            let (w, x, y) = (cx.mat(1)?, cx.input(0)?, cx.out()?);
+            matmul_into(cx, w, &x, rows, &y)?;
         }
         Op::GatherMatMul => {
             let w = cx.mat(2)?;

@@ -19,6 +19,7 @@ use super::weights::GpuWeight;
 
 pub mod argmax;
 pub mod attention;
+pub mod audio;
 pub mod copy;
 pub mod elementwise;
 pub mod embed;
@@ -54,6 +55,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     copy::FAMILY,
     argmax::FAMILY,
     vision::FAMILY,
+    audio::FAMILY,
 ];
 
 /// One recorded dispatch.
@@ -200,6 +202,27 @@ impl<'a> LowerCtx<'a> {
         self.wname(i).and_then(|nm| vecs.get(&nm))
     }
 
+    /// The vector weight at input `i` and its dtype, or an error saying it is not one.
+    pub fn vec_weight(&self, i: usize) -> Result<(wgpu::Buffer, FloatType), String> {
+        match self.vecw(i) {
+            Some((b, t)) => Ok((b.clone(), *t)),
+            None => Err(self.fail(format!("input {i} must be a vector weight"))),
+        }
+    }
+
+    /// Records the node's one dispatch of `spec`: `params` at binding 0, input 0 at 1, the
+    /// output at 2, then `binds`.
+    pub fn push_one(&mut self, spec: KernelSpec, params: &[u8], binds: &[(u32, wgpu::Buffer)], groups: [u32; 3]) -> Result<(), String> {
+        let kernel = self.kernels.get(spec).map_err(self.kerr())?;
+        let pb = self.uni(params)?;
+        let (x, out) = (self.input(0)?, self.out()?);
+        let mut all: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pb), (1, &x), (2, &out)];
+        all.extend(binds.iter().map(|(i, b)| (*i, b)));
+        let bg = kernel.bind_buffers(self.dev(), &all);
+        self.push(kernel, bg, groups);
+        Ok(())
+    }
+
     /// The norm weight of a norm or fused-norm op (at the slot the op defines).
     pub fn norm_w(&self) -> Result<Option<&'a (wgpu::Buffer, FloatType)>, String> {
         self.op.norm_weight_input().map(|i| self.vecw(i).ok_or_else(|| format!("node {}: norm weight missing", self.node.name))).transpose()
@@ -232,7 +255,7 @@ impl<'a> LowerCtx<'a> {
     }
 }
 
-/// An op the CPU reference executor runs but no WGSL kernel lowers yet (the audio tower's).
+/// An op the CPU reference executor runs but no WGSL kernel lowers yet.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("node %{node} {name}: op `{op}` has no GPU lowering (only the CPU executor runs it)")]
 pub struct UnsupportedOp {
@@ -241,9 +264,9 @@ pub struct UnsupportedOp {
     pub op: &'static str,
 }
 
-/// Names of the ops (`Op::name`) that no WGSL kernel lowers yet: the GPU executor refuses
-/// graphs holding them with an [`UnsupportedOp`].
-pub const CPU_ONLY_OPS: [&str; 6] = ["conv2d", "mask_rows", "strided_rows", "glu", "depthwise_conv1d", "audio_attention"];
+/// Names of the ops (`Op::name`) that no WGSL kernel lowers yet (none at present): the GPU
+/// executor refuses graphs holding them with an [`UnsupportedOp`].
+pub const CPU_ONLY_OPS: &[&str] = &[];
 
 /// Whether the GPU executor lowers `op`.
 pub fn gpu_lowers(op: &Op) -> bool {
@@ -279,8 +302,6 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Slice { .. } => copy::lower(cx),
         Op::Argmax | Op::Sample => argmax::lower(cx),
         Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } | Op::Scatter => vision::lower(cx),
-        Op::Conv2d { .. } | Op::MaskRows | Op::StridedRows { .. } | Op::Glu | Op::DepthwiseConv1d | Op::AudioAttention { .. } => {
-            Err(cx.fail(format!("{} has no GPU lowering", cx.op.name())))
-        }
+        Op::Conv2d { .. } | Op::MaskRows | Op::StridedRows { .. } | Op::Glu | Op::DepthwiseConv1d | Op::AudioAttention { .. } => audio::lower(cx),
     }
 }

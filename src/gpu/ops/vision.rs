@@ -112,16 +112,10 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
     let numel = cx.node.ty.numel();
     let maxg = cx.kernels.maxg();
     let elem_groups = |n: usize| grid(div_ceil(n, ELEM_WG as usize) as u64, maxg);
-    let vecw = |cx: &LowerCtx, i: usize| -> Result<(wgpu::Buffer, FloatType), String> {
-        match cx.vecw(i) {
-            Some((b, t)) => Ok((b.clone(), *t)),
-            None => Err(cx.fail(format!("input {i} must be a vector weight"))),
-        }
-    };
     let (spec, params, binds, groups) = match cx.op {
         Op::Clamp => {
-            let (lo, lt) = vecw(cx, 1)?;
-            let (hi, ht) = vecw(cx, 2)?;
+            let (lo, lt) = cx.vec_weight(1)?;
+            let (hi, ht) = cx.vec_weight(2)?;
             let p = VisionParams { n: numel as u32, ..Default::default() };
             (VisionKernel::Clamp { lo: lt, hi: ht }, p, vec![(3, lo), (4, hi)], elem_groups(numel))
         }
@@ -140,10 +134,10 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             (VisionKernel::Pool, p, vec![], elem_groups(numel))
         }
         Op::LayerNorm { eps } => {
-            let (w, wt) = vecw(cx, 1)?;
+            let (w, wt) = cx.vec_weight(1)?;
             let mut binds = vec![(3, w)];
             let bt = if cx.ins.len() > 2 {
-                let (b, bt) = vecw(cx, 2)?;
+                let (b, bt) = cx.vec_weight(2)?;
                 binds.push((4, b));
                 Some(bt)
             } else {
@@ -175,12 +169,5 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         }
         _ => return Err(cx.not_ours("vision")),
     };
-    let kernel = cx.kernels.get(KernelSpec::Vision(spec)).map_err(cx.kerr())?;
-    let pb = cx.uni(bytemuck::bytes_of(&params))?;
-    let (x, out) = (cx.input(0)?, cx.out()?);
-    let mut all: Vec<(u32, &wgpu::Buffer)> = vec![(0, &pb), (1, &x), (2, &out)];
-    all.extend(binds.iter().map(|(i, b)| (*i, b)));
-    let bg = kernel.bind_buffers(cx.dev(), &all);
-    cx.push(kernel, bg, groups);
-    Ok(())
+    cx.push_one(KernelSpec::Vision(spec), bytemuck::bytes_of(&params), &binds, groups)
 }

@@ -1,0 +1,134 @@
+//! Clips to soft tokens: the checkpoint's feature extractor and Gemma 4's audio tower (a
+//! compiled graph per frame count), on the CPU reference executor or the GPU.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use markbase_graph::audio::AudioConfig;
+use markbase_graph::passes::{compile, Compiled, PhasePolicy};
+
+use crate::cpu::exec::StepInputs;
+use crate::loader::Checkpoint;
+use crate::model::DeviceKind;
+use crate::vision::encode::{Modality, Runner, SoftTokens};
+use crate::Error;
+
+use super::{FeatureConfig, FeatureExtractor, Features, LoadOptions, LongClips};
+
+/// A checkpoint's audio tower, ready to encode clips.
+pub struct AudioEncoder {
+    cp: Checkpoint,
+    ac: AudioConfig,
+    fx: FeatureExtractor,
+    runner: Runner,
+    /// Compiled tower graphs by frame count.
+    graphs: HashMap<usize, Compiled>,
+}
+
+/// The audio config of the checkpoint in `dir`, or the error of giving it clips.
+pub fn audio_config(cp: &Checkpoint) -> Result<AudioConfig, Error> {
+    cp.audio_config()?.ok_or_else(|| {
+        Error::Input(format!("{} has no audio tower markbase runs (no Gemma 4 audio_config in config.json): it takes no audio", cp.dir().display()))
+    })
+}
+
+impl AudioEncoder {
+    /// Opens the checkpoint in `dir` and loads its audio tower onto `device`.
+    pub fn open(dir: &Path, device: DeviceKind, check_nan: bool) -> Result<Self, Error> {
+        let cp = Checkpoint::open(dir)?;
+        let ac = audio_config(&cp)?;
+        let fx = FeatureExtractor::new(FeatureConfig::from_checkpoint(dir)?)?;
+        if fx.config().feature_size != ac.features {
+            return Err(Error::Config(format!("the feature extractor makes {} mel bins, the audio tower takes {}", fx.config().feature_size, ac.features)));
+        }
+        let r = cp.check_audio(&ac);
+        if r.has_errors() {
+            return Err(Error::Load(r.to_string()));
+        }
+        // the weights are the same for every frame count: load them through a small graph
+        let g = cp.audio_tower_graph(&ac, 4)?;
+        let (weights, _) = cp.load_audio_tower(&g)?;
+        let runner = Runner::new(weights, device, check_nan)?;
+        Ok(AudioEncoder { cp, ac, fx, runner, graphs: HashMap::new() })
+    }
+
+    pub fn audio_config(&self) -> &AudioConfig {
+        &self.ac
+    }
+
+    /// How clips are read for this extractor (its sample rate).
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { rate: self.fx.config().sampling_rate, ..LoadOptions::default() }
+    }
+
+    /// The features of a clip (mono samples at the extractor's rate); a clip longer than the
+    /// model takes (30 s) is refused.
+    pub fn features(&self, samples: &[f32]) -> Result<Features, Error> {
+        let mut f = self.fx.extract_clip(samples, LongClips::Refuse)?;
+        f.pop().ok_or_else(|| Error::Audio("the clip holds no samples".into()))
+    }
+
+    /// The soft tokens of a clip's features: the tower's rows of real frames (HF keeps those
+    /// and drops the rows of padding).
+    pub fn encode_features(&mut self, f: &Features) -> Result<SoftTokens, Error> {
+        if f.bins != self.ac.features || f.frames == 0 || f.mask.len() != f.frames {
+            return Err(Error::Input(format!("audio features of {} frames x {} bins for a tower taking {} bins", f.frames, f.bins, self.ac.features)));
+        }
+        if !self.graphs.contains_key(&f.frames) {
+            let g = self.cp.audio_tower_graph(&self.ac, f.frames)?;
+            let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| Error::Config(e.to_string()))?;
+            self.graphs.insert(f.frames, c);
+        }
+        let valid: Vec<u32> = f.mask.iter().map(|&v| v as u32).collect();
+        let step = StepInputs { features: &f.data, audio_valid: &valid, ..Default::default() };
+        let rows = self.runner.soft(&self.graphs[&f.frames], &step)?;
+        let width = self.ac.text_hidden;
+        // a row is real where its frame after the two stride-2 steps is (`mask[::4]`)
+        let data: Vec<f32> = rows.chunks(width).zip(f.mask.iter().step_by(4)).filter(|(_, &v)| v).flat_map(|(r, _)| r.iter().copied()).collect();
+        if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Device(format!("the audio tower made a non-finite soft token value (at {i})")));
+        }
+        Ok(SoftTokens { tokens: data.len() / width, width, data, kind: Modality::Audio })
+    }
+
+    /// The soft tokens of a clip (mono samples at the extractor's rate).
+    pub fn encode(&mut self, samples: &[f32]) -> Result<SoftTokens, Error> {
+        let f = self.features(samples)?;
+        self.encode_features(&f)
+    }
+}
+
+/// Encodes audio files with the tower of the checkpoint in `dir`: all rows, their width, and
+/// the soft tokens of each clip. Files are read first ([`read_clips`]).
+pub fn encode_files(dir: &Path, clips: &[std::path::PathBuf], device: DeviceKind, check_nan: bool) -> Result<(Vec<f32>, usize, Vec<usize>), Error> {
+    let samples = read_clips(dir, clips)?;
+    let mut enc = AudioEncoder::open(dir, device, check_nan)?;
+    let (mut rows, mut counts) = (vec![], vec![]);
+    for s in &samples {
+        let soft = enc.encode(s)?;
+        counts.push(soft.tokens);
+        rows.extend(soft.data);
+    }
+    Ok((rows, enc.ac.text_hidden, counts))
+}
+
+/// Reads audio files as mono clips at the extractor's rate, for the model in `dir`, which must
+/// have an audio tower; a clip over what the model takes (30 s) is refused. What the commands
+/// do before any weight is loaded, so that a bad file is reported first.
+pub fn read_clips(dir: &Path, paths: &[std::path::PathBuf]) -> Result<Vec<Vec<f32>>, Error> {
+    if paths.is_empty() {
+        return Ok(vec![]);
+    }
+    audio_config(&Checkpoint::open(dir)?)?;
+    let cfg = FeatureConfig::from_checkpoint(dir)?;
+    let opts = LoadOptions { rate: cfg.sampling_rate, ..LoadOptions::default() };
+    let fx = FeatureExtractor::new(cfg)?;
+    paths
+        .iter()
+        .map(|p| {
+            let c = super::load(p, &opts)?;
+            fx.extract_clip(&c, LongClips::Refuse).map_err(|e| Error::Audio(format!("{}: {e}", p.display())))?;
+            Ok(c)
+        })
+        .collect()
+}
