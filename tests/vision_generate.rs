@@ -188,7 +188,7 @@ fn gemma4_large_image_spans_on_sliding_layers() {
         let o = ModelOptions { device, prefill_chunk: chunk, max_context: 128, ..Default::default() };
         let mut m = Model::load(path, o).unwrap();
         let p = m.prompt(&parts("gemma4"), true).unwrap();
-        (m.forward_with_images(&p.ids, &p.images, true, None).map(|o| o.logits.unwrap()), p.ids)
+        (m.forward_with_images(&p.ids, &p.soft, true, None).map(|o| o.logits.unwrap()), p.ids)
     };
     let (causal, ids) = logits(&dir("gemma4"), DeviceKind::Cpu, 128);
     let causal = causal.unwrap();
