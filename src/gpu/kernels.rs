@@ -149,6 +149,9 @@ pub enum KernelSpec {
     MoeGroup,
     Copy,
     Argmax { wg: u32 },
+    /// A batch's cache write (`Op::KvWriteBatched`) or attention (`Op::AttentionBatched`)
+    /// (`batched.wgsl`).
+    Batched { attention: bool },
     /// `Op::Sample`: stage `stage` of [`super::sample::STAGES`] (see [`super::sample`]).
     Sample { stage: u32 },
     /// The vision towers' ops (`vision.wgsl`).
