@@ -43,14 +43,20 @@ struct Live {
     slot: usize,
     next: u32,
     out: Vec<u32>,
+    /// The logits of each of its decode rows, as bits.
+    bits: Vec<u32>,
 }
+
+/// Each sequence's tokens, and the bits of its decode rows' logits.
+type Runs = Vec<(Vec<u32>, Vec<u32>)>;
 
 /// Runs the sequences `order` through one batch of `slots` slots: sequence `order[k]` is
 /// admitted at decode step `start(k)` into the first free slot (its prompt prefilled), and
-/// every admitted sequence advances one token per step. Returns each sequence's tokens.
-fn run(b: &mut Batch, order: &[usize], start: impl Fn(usize) -> usize) -> Vec<Vec<u32>> {
+/// every admitted sequence advances one token per step.
+fn run(b: &mut Batch, order: &[usize], start: impl Fn(usize) -> usize) -> Runs {
     let ps: Vec<SampleParams> = (0..SEQS).map(params).collect();
-    let mut done: Vec<Vec<u32>> = vec![vec![]; SEQS];
+    let v = b.engine().config.vocab_size;
+    let mut done: Runs = vec![(vec![], vec![]); SEQS];
     let mut live: Vec<Live> = vec![];
     let mut next = 0;
     let mut step = 0;
@@ -60,22 +66,24 @@ fn run(b: &mut Batch, order: &[usize], start: impl Fn(usize) -> usize) -> Vec<Ve
             let slot = (0..b.slots()).find(|s| !live.iter().any(|l| l.slot == *s)).unwrap();
             b.reset(slot);
             let tok = b.prefill(slot, &prompt(seq), false, Some((&ps[seq], 0))).unwrap().token;
-            live.push(Live { seq, slot, next: tok, out: vec![tok] });
+            live.push(Live { seq, slot, next: tok, out: vec![tok], bits: vec![] });
             next += 1;
         }
         if !live.is_empty() {
             let rows: Vec<Row> = live.iter().map(|l| Row { slot: l.slot, token: l.next, sampling: &ps[l.seq], step: l.out.len() as u32 }).collect();
-            let toks = b.decode(&rows, false).unwrap().tokens;
-            assert_eq!(toks.len(), live.len());
-            for (l, t) in live.iter_mut().zip(toks) {
+            let out = b.decode(&rows, true).unwrap();
+            assert_eq!(out.tokens.len(), live.len());
+            let logits = out.logits.unwrap();
+            for (r, (l, t)) in live.iter_mut().zip(out.tokens).enumerate() {
                 l.out.push(t);
                 l.next = t;
+                l.bits.extend(logits[r * v..(r + 1) * v].iter().map(|x| x.to_bits()));
             }
         }
         live.retain(|l| {
             let end = l.out.len() >= GEN;
             if end {
-                done[l.seq] = l.out.clone();
+                done[l.seq] = (l.out.clone(), l.bits.clone());
             }
             !end
         });
@@ -89,7 +97,7 @@ fn invariance(device: DeviceKind) {
     let mut b = Batch::new(&e, SEQS).unwrap();
     let all: Vec<usize> = (0..SEQS).collect();
     // each alone (one row a step), in the last slot
-    let alone: Vec<Vec<u32>> = all.iter().map(|&i| run(&mut b, &[i], |_| 0)[i].clone()).collect();
+    let alone: Runs = all.iter().map(|&i| run(&mut b, &[i], |_| 0)[i].clone()).collect();
     // all together, admitted two per step in reverse order (row counts 2 to 16, slots reused)
     let rev: Vec<usize> = all.iter().rev().cloned().collect();
     let together = run(&mut b, &rev, |k| k / 2);
@@ -97,11 +105,14 @@ fn invariance(device: DeviceKind) {
     let mut small = Batch::new(&e, 6).unwrap();
     let queued = run(&mut small, &all, |_| 0);
     for i in 0..SEQS {
-        assert_eq!(alone[i].len(), GEN);
-        assert_eq!(together[i], alone[i], "sequence {i}: batched tokens differ from the sequence alone");
-        assert_eq!(queued[i], alone[i], "sequence {i}: tokens in a batch of 6 slots differ from the sequence alone");
+        assert_eq!(alone[i].0.len(), GEN);
+        assert_eq!(together[i].0, alone[i].0, "sequence {i}: batched tokens differ from the sequence alone");
+        assert_eq!(queued[i].0, alone[i].0, "sequence {i}: tokens in a batch of 6 slots differ from the sequence alone");
+        // not only the tokens: every logit of every row, to the bit
+        assert!(together[i].1 == alone[i].1, "sequence {i}: batched logits differ from the sequence alone");
+        assert!(queued[i].1 == alone[i].1, "sequence {i}: logits in a batch of 6 slots differ from the sequence alone");
     }
-    let distinct: std::collections::HashSet<&Vec<u32>> = alone.iter().collect();
+    let distinct: std::collections::HashSet<&Vec<u32>> = alone.iter().map(|a| &a.0).collect();
     assert!(distinct.len() > SEQS / 2, "the sequences should continue differently: {alone:?}");
 }
 
