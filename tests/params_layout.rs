@@ -140,6 +140,7 @@ fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
         KernelSpec::Copy => vec![(0, rust::<CopyParams>())],
         KernelSpec::Argmax { .. } | KernelSpec::Sample { .. } => vec![(0, rust::<ArgmaxParams>())],
         KernelSpec::Vision(_) => vec![(0, rust::<VisionParams>())],
+        KernelSpec::Batched { .. } => vec![(0, rust::<BatchedParams>())],
     }
 }
 
@@ -159,6 +160,7 @@ fn all_params() -> Vec<Layout> {
         rust::<CopyParams>(),
         rust::<ArgmaxParams>(),
         rust::<VisionParams>(),
+        rust::<BatchedParams>(),
     ]
 }
 

@@ -10,7 +10,7 @@ struct Params {
     offset: u32,
     // where the index goes: out[row] (a batch's rows, one dispatch each)
     row: u32,
-    _p1: u32,
+    recent_len: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

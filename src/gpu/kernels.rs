@@ -29,6 +29,7 @@ use super::shader::{reflect_bindings, BindKind, Source};
 use super::weights::GpuFormat;
 
 pub use super::ops::argmax::{ArgmaxKernel, ArgmaxParams};
+pub use super::ops::batched::BatchedParams;
 pub use super::ops::attention::{attention_splits, AttentionKernel, AttentionParams, AttnScratch, MAX_HEAD_DIM};
 pub use super::ops::copy::{CopyKernel, CopyParams};
 pub use super::ops::elementwise::{ElementwiseKernel, ElementwiseParams};
