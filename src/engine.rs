@@ -200,12 +200,43 @@ impl Engine {
         }))
     }
 
-    /// A new sequence on this engine.
-    pub fn session(self: &Arc<Self>) -> Result<Session, Error> {
-        let exec: Box<dyn Executor> = match &self.device {
+    /// An executor on this engine's device and weights, with caches of its own.
+    pub(crate) fn executor(&self) -> Box<dyn Executor> {
+        match &self.device {
             Device::Cpu(w) => Box::new(CpuExecutor::with_weights(w.clone())),
             Device::Gpu(shared) => Box::new(GpuExecutor::for_session(shared)),
+        }
+    }
+
+    /// Whether the graphs run on a GPU (else the CPU reference executor).
+    pub fn on_gpu(&self) -> bool {
+        matches!(self.device, Device::Gpu(_))
+    }
+
+    /// The graph `key` over the caches of a batch of `slots` sequences (see
+    /// [`crate::batch::Batch`]): with `all_logits`, a decode step of `key.tokens` sequences (a
+    /// token per row); else a prefill step of `key.tokens` tokens of one sequence (the last
+    /// position's token). Not cached here: the batch keeps its graphs.
+    pub fn batch_graph(&self, key: GraphKey, slots: usize) -> Result<Compiled, Error> {
+        let decode = key.all_logits;
+        let mut o = if decode { BuildOptions::decode(self.max_context, self.chunk) } else { BuildOptions::prefill(key.tokens, self.max_context) };
+        o.tokens = key.tokens;
+        o.chunk = self.chunk;
+        o.batch = slots;
+        o.outputs = if decode { Outputs::RowTokens } else { Outputs::LastLogits };
+        o.sample = key.sample;
+        o.fuse = self.fuse.clone();
+        let g: Graph = match &self.checkpoint {
+            Some(ck) => ck.build(o)?,
+            None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| Error::Config(e.to_string()))?,
         };
+        let policy = if decode { PhasePolicy::Step } else { PhasePolicy::EmbedLayersHead };
+        compile(g, policy).map_err(|e| Error::Config(e.to_string()))
+    }
+
+    /// A new sequence on this engine.
+    pub fn session(self: &Arc<Self>) -> Result<Session, Error> {
+        let exec = self.executor();
         Ok(Session {
             config: self.config.clone(),
             engine: self.clone(),

@@ -18,6 +18,8 @@ pub struct StepOutput {
     pub logits: Option<Vec<f32>>,
     /// The sampled (or argmax) token of the last position.
     pub token: u32,
+    /// Every token of the token output: one per row of a batch's decode step (else `[token]`).
+    pub tokens: Vec<u32>,
 }
 
 /// Key of a compiled graph: tokens per step, outputs, device sampling, image rows.
@@ -121,9 +123,10 @@ impl CpuExecutor {
 impl Executor for CpuExecutor {
     fn run(&mut self, _key: GraphKey, c: &Compiled, step: &StepInputs, want_logits: bool) -> Result<StepOutput, String> {
         let out = exec::run(c, &mut self.weights, &mut self.state, step)?;
-        let token = out.get("token").map(|v| v.u()[0]).ok_or("graph has no token output")?;
+        let tokens = out.get("token").map(|v| v.u().to_vec()).ok_or("graph has no token output")?;
+        let token = *tokens.first().ok_or("the token output is empty")?;
         let logits = if want_logits { out.get("logits").map(|v| v.f().to_vec()) } else { None };
-        Ok(StepOutput { logits, token })
+        Ok(StepOutput { logits, token, tokens })
     }
     fn reset(&mut self) {
         self.state.clear();

@@ -3,6 +3,7 @@
 //! on the GPU through wgpu/WGSL, or on the CPU reference executor.
 
 pub mod audio;
+pub mod batch;
 pub mod bench;
 pub mod cli;
 pub mod cpu;

@@ -78,6 +78,10 @@ fn variant_names(op: &Op) -> &'static [&'static str] {
         Op::Rope { .. } => &["rope"],
         Op::NormRope { .. } => &["norm_rope"],
         Op::KvWrite { .. } => &["kv_write"],
+        Op::KvWriteBatched => &["kv_write_batched"],
+        Op::AttentionBatched { .. } => &["attention_batched"],
+        Op::ArgmaxRows => &["argmax_rows"],
+        Op::SampleRows => &["sample_rows"],
         Op::KvWriteNormRope { .. } => &["kv_write_norm_rope"],
         Op::Attention { .. } => &["attention"],
         Op::NormRopeAttention { .. } => &["norm_rope_attention"],
@@ -129,6 +133,9 @@ struct Ctx {
     tokens: Vec<u32>,
     sampling: [u32; 8],
     recent: Vec<u32>,
+    slot_ids: Vec<u32>,
+    row_sampling: Vec<u32>,
+    row_recent: Vec<u32>,
     reads: Vec<Read>,
     flops: f64,
     chunked: bool,
@@ -157,6 +164,9 @@ impl Cases {
             tokens,
             sampling: [0; 8],
             recent: vec![],
+            slot_ids: vec![],
+            row_sampling: vec![],
+            row_recent: vec![],
             reads: vec![Read::Out],
             flops: 0.0,
             chunked: false,
@@ -196,6 +206,9 @@ impl Cases {
             attend_until: cx.attend_until,
             sampling: cx.sampling,
             recent: cx.recent,
+            slot_ids: cx.slot_ids,
+            row_sampling: cx.row_sampling,
+            row_recent: cx.row_recent,
             check,
             reads: cx.reads,
             chunked: cx.chunked,
@@ -654,6 +667,71 @@ fn sampling(cs: &mut Cases) {
     }
 }
 
+/// The ops of a batch of sequences over one cache of sequence slots `[N, S, nkv, D]`: rows of
+/// several slots (rings of S positions), idle rows (slot `IDLE`), windows, GQA.
+fn batched(cs: &mut Cases) {
+    const IDLE: u32 = u32::MAX;
+    // the caches filled first through their flat layout ([N * S, nkv, D]: the same rows)
+    let fill = |cx: &mut Ctx, (n, s, nkv, d): (usize, usize, usize, usize)| fill_caches(cx, 0, n * s, (n * s, nkv, d));
+    for (slots, pos, (n, s, nkv, d)) in [
+        (vec![2u32, 0, IDLE, 2, 1], vec![9u32, 0, 4, 3, 13], (3usize, 7usize, 2usize, 24usize)),
+        (vec![1], vec![37], (2, 16, 1, 40)),
+    ] {
+        let t = slots.len();
+        cs.add("kv_write_batched", format!("x f32[{t}, {nkv}, {d}] cache [{n}, {s}, {nkv}, {d}] slots {slots:?} pos {pos:?}"), t, EXACT, |cx| {
+            fill(cx, (n, s, nkv, d));
+            let x = cx.b.act(&[t, nkv, d], 1.0);
+            let c = cx.b.cache(0, false, &[n, s, nkv, d]);
+            let sl = cx.b.g.input("slot_ids", InputKind::SlotIds, TensorType::u32(&[t]));
+            (cx.positions, cx.slot_ids) = (pos, slots);
+            cx.reads = vec![Read::State(StateKind::KvCache { layer: 0, value: false })];
+            (cx.b.op(Op::KvWriteBatched, &[x, cx.b.positions, sl, c]), x)
+        });
+    }
+    for (slots, pos, (n, s, nq, nkv, d), window) in [
+        (vec![1u32, IDLE, 0, 1], vec![10u32, 5, 3, 0], (3usize, 11usize, 6usize, 2usize, 40usize), None),
+        (vec![0, 2, 1], vec![20, 6, 13], (3, 7, 4, 1, 24), Some(5usize)),
+        (vec![1, 0], vec![299, 150], (2, 300, 2, 2, 256), Some(200)),
+    ] {
+        let t = slots.len();
+        let desc = format!("q f32[{t}, {nq}, {d}] kv [{n}, {s}, {nkv}, {d}] slots {slots:?} pos {pos:?} window {window:?}");
+        cs.add("attention_batched", desc, t, ATTENTION, |cx| {
+            fill(cx, (n, s, nkv, d));
+            let q = cx.b.act(&[t, nq, d], 1.0);
+            let (kc, vc) = (cx.b.cache(0, false, &[n, s, nkv, d]), cx.b.cache(0, true, &[n, s, nkv, d]));
+            let sl = cx.b.g.input("slot_ids", InputKind::SlotIds, TensorType::u32(&[t]));
+            (cx.positions, cx.slot_ids) = (pos, slots);
+            (cx.b.op(Op::AttentionBatched { scale: 1.0 / (d as f32).sqrt(), window }, &[q, cx.b.positions, sl, kc, vc]), q)
+        });
+    }
+    for (t, v) in [(1usize, 999usize), (5, 4099)] {
+        cs.add("argmax_rows", format!("logits f32[{t}, {v}]"), t, Check::Exact, |cx| {
+            let l = cx.b.logits(v, 4.0);
+            (cx.b.op(Op::ArgmaxRows, &[l]), l)
+        });
+    }
+    // each row its own parameters, where the CPU and the GPU are defined to agree (as `sample`)
+    let base = SampleParams::default();
+    let rows = [
+        SampleParams { temperature: 0.0, ..base },
+        SampleParams { temperature: 1.0, top_k: 1, seed: 1234, repetition_penalty: 1.3, ..base },
+        SampleParams { temperature: 0.0, repetition_penalty: 1.5, ..base },
+    ];
+    for (t, v) in [(3usize, 1000usize), (1, 4099)] {
+        cs.add("sample_rows", format!("logits f32[{t}, {v}] rows greedy, t=1 top_k=1 seeded penalty 1.3, greedy penalty 1.5"), t, Check::Exact, |cx| {
+            let l = cx.b.logits(v, 4.0);
+            let p = cx.b.g.input("row_sampling", InputKind::RowSampling, TensorType::u32(&[t, SAMPLE_PARAMS]));
+            let r = cx.b.g.input("row_recent", InputKind::RowRecent, TensorType::u32(&[t, 16]));
+            for (i, sp) in rows.iter().take(t).enumerate() {
+                let n_recent = if sp.repetition_penalty != 1.0 { 10 + i as u32 } else { 0 };
+                cx.row_sampling.extend(sp.words(i as u32, n_recent));
+                cx.row_recent.extend((0..16).map(|j| (j * 83 + 7 + i as u32 * 5) % v as u32));
+            }
+            (cx.b.op(Op::SampleRows, &[l, p, r]), l)
+        });
+    }
+}
+
 /// Model-sized cases for the perf mode (Gemma-like widths; checked as the others are).
 fn perf_cases(cs: &mut Cases) {
     let q4 = quant(QuantMode::Affine, 4, 64, false);
@@ -876,6 +954,7 @@ fn all_cases(perf: bool) -> Vec<Case> {
     matmuls(&mut cs);
     routing(&mut cs);
     sampling(&mut cs);
+    batched(&mut cs);
     vision(&mut cs);
     audio(&mut cs);
     cs.v

@@ -68,13 +68,16 @@ impl Bug {
             }
             Op::Rope { theta, .. } | Op::Rope2d { theta } => self.theta(theta),
             Op::NormRope { scale, theta, .. } | Op::KvWriteNormRope { scale, theta, .. } => self.norm(scale) | self.theta(theta),
-            Op::Attention { scale, .. } | Op::FullAttention { scale } => self.attn(scale, ty),
+            Op::Attention { scale, .. } | Op::AttentionBatched { scale, .. } | Op::FullAttention { scale } => self.attn(scale, ty),
             Op::NormRopeAttention { scale, norm, theta, .. } => self.attn(scale, ty) | self.norm(norm) | self.theta(theta),
             Op::MatMul
             | Op::GatherMatMul
             | Op::MoeGroup { .. }
             | Op::GroupedMatMul
             | Op::KvWrite { .. }
+            | Op::KvWriteBatched
+            | Op::ArgmaxRows
+            | Op::SampleRows
             | Op::Binary { .. }
             | Op::Unary { .. }
             | Op::GeGlu

@@ -141,6 +141,7 @@ fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
         KernelSpec::Argmax { .. } | KernelSpec::Sample { .. } => vec![(0, rust::<ArgmaxParams>())],
         KernelSpec::Vision(_) => vec![(0, rust::<VisionParams>())],
         KernelSpec::Audio(_) => vec![(0, rust::<AudioParams>())],
+        KernelSpec::Batched { .. } => vec![(0, rust::<BatchedParams>())],
     }
 }
 
@@ -161,6 +162,7 @@ fn all_params() -> Vec<Layout> {
         rust::<ArgmaxParams>(),
         rust::<VisionParams>(),
         rust::<AudioParams>(),
+        rust::<BatchedParams>(),
     ]
 }
 

@@ -3,13 +3,14 @@
 // One workgroup; each invocation scans a strided slice, then a shared-memory tree
 // reduction over (value, index) pairs.
 //
-// Prelude consts: WG. Bindings: 0 params, 1 logits, 2 out (u32 [1]).
+// Prelude consts: WG. Bindings: 0 params, 1 logits, 2 out (u32 [rows]).
 
 struct Params {
     V: u32,
     offset: u32,
-    _p0: u32,
-    _p1: u32,
+    // where the index goes: out[row] (a batch's rows, one dispatch each)
+    row: u32,
+    recent_len: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -51,6 +52,6 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         workgroupBarrier();
     }
     if lid == 0u {
-        out[0] = bi[0];
+        out[p.row] = bi[0];
     }
 }

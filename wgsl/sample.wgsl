@@ -35,14 +35,17 @@
 // Prelude consts: WG (= MAX_RECENT = 128, a multiple of NBIN), CHUNK (a multiple of WG); one
 // flag STAGE_*; uses common.wgsl. Bindings: 0 params (V, offset of the row), 1 logits,
 // 2 sampling words u32[8] (temperature, top_k, top_p, min_p, repetition_penalty as f32 bits;
-// seed, step, n_recent), 3 recent ids (at most MAX_RECENT used), 4 out u32[1], 5 per-chunk
+// seed, step, n_recent), 3 recent ids (at most MAX_RECENT used), 4 out u32[rows], 5 per-chunk
 // results u32[NW * PART], 6 search state and penalty table u32[PEN_VAL + MAX_RECENT].
 
 struct Params {
     V: u32,
     offset: u32,
-    _p0: u32,
-    _p1: u32,
+    // the row of a batch: its words at sp[8 * row], its recent ids at recent[row * recent_len],
+    // its token at out[row] (0 for one row)
+    row: u32,
+    // recent ids per row (0: the whole binding, one row)
+    recent_len: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -54,6 +57,11 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> st: array<u32>;
 
 const MAX_RECENT: u32 = 128u;
+
+// The recent ids of this row.
+fn recent_count() -> u32 {
+    return select(arrayLength(&recent), p.recent_len, p.recent_len > 0u);
+}
 const EMPTY: u32 = 0xffffffffu;
 const NBIN: u32 = 16u;
 // words per chunk in `part`: CHUNK (max penalized logit, its lowest index, max z), BINS
@@ -83,7 +91,7 @@ var<workgroup> w_sp: array<u32, 8>;
 // The sampling words, provably uniform (they decide branches that hold barriers).
 fn load_words(lid: u32) -> array<u32, 8> {
     if lid < 8u {
-        w_sp[lid] = sp[lid];
+        w_sp[lid] = sp[p.row * 8u + lid];
     }
     return workgroupUniformLoad(&w_sp);
 }
@@ -284,7 +292,7 @@ var<private> g_pen: bool;
 fn build_pen(lid: u32, n_recent: u32, pen: f32, V: u32) {
     var id = EMPTY;
     if lid < n_recent {
-        id = recent[lid];
+        id = recent[p.row * p.recent_len + lid];
     }
     q_id[lid] = select(id, EMPTY, id >= V);
     r_id[lid] = EMPTY;
@@ -319,7 +327,7 @@ fn load_pen(lid: u32) {
 // Whether the repetition penalty applies under the sampling words `spu`.
 fn pen_on(spu: array<u32, 8>) -> bool {
     let pen = bitcast<f32>(spu[4]);
-    let n_recent = min(spu[7], min(arrayLength(&recent), MAX_RECENT));
+    let n_recent = min(spu[7], min(recent_count(), MAX_RECENT));
     return pen != 1.0 && pen > 0.0 && n_recent > 0u;
 }
 
@@ -359,7 +367,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let spu = load_words(lid);
     let use_pen = pen_on(spu);
     if use_pen {
-        build_pen(lid, min(spu[7], min(arrayLength(&recent), MAX_RECENT)), bitcast<f32>(spu[4]), V);
+        build_pen(lid, min(spu[7], min(recent_count(), MAX_RECENT)), bitcast<f32>(spu[4]), V);
         // the table for the later stages
         if wid.x == 0u {
             st[PEN_ID + lid] = r_id[lid];
@@ -422,14 +430,14 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     let best = min_u(cand, lid);
     let m = max_f(mz, lid);
     if lid == 0u {
-        let temp = bitcast<f32>(sp[0]);
-        let min_p = bitcast<f32>(sp[3]);
+        let temp = bitcast<f32>(sp[p.row * 8u]);
+        let min_p = bitcast<f32>(sp[p.row * 8u + 3u]);
         if temp <= 0.0 {
-            out[0] = select(best, 0u, best == EMPTY);
+            out[p.row] = select(best, 0u, best == EMPTY);
         }
         st[S_M] = bitcast<u32>(m);
         st[S_PK] = 0u;
-        st[S_NEED] = sp[1];
+        st[S_NEED] = sp[p.row * 8u + 1u];
         st[S_PP] = 0u;
         st[S_AB0] = 0u;
         st[S_AB1] = 0u;
@@ -809,7 +817,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     let f = min_u(found, lid);
     if lid == 0u {
         let l1 = w_pick[5];
-        out[0] = select(f, select(l1 - 1u, 0u, l1 == 0u), f == EMPTY);
+        out[p.row] = select(f, select(l1 - 1u, 0u, l1 == 0u), f == EMPTY);
     }
 }
 //#endif

@@ -47,6 +47,9 @@ pub enum Outputs {
     AllLogits,
     /// Logits of the last position `[1, V]` and its argmax.
     LastLogits,
+    /// Logits of every row `[T, V]` and a token per row (argmax, or sampled with each row's
+    /// parameters): a decode step of T sequences of a batch ([`BuildOptions::batch`]).
+    RowTokens,
 }
 
 /// Graph-shape options.
@@ -74,6 +77,12 @@ pub struct BuildOptions {
     /// `soft_index` `[T]`, see [`crate::ops::Op::Scatter`]); 0: none. Gemma 3 graphs with them
     /// also take the attention bounds `attn_positions` (image spans attend bidirectionally).
     pub soft_rows: usize,
+    /// Sequence slots of a batch (0: none, the graph runs one sequence). With N slots the KV
+    /// caches hold N sequences (`[N, S, kv_heads, head_dim]`), the graph takes the slot of each
+    /// row (input `slot_ids`), and its cache writes and attention are the batched ops: a
+    /// prefill step of one sequence (every row the same slot) or a decode step of T sequences
+    /// (one row each, [`Outputs::RowTokens`]).
+    pub batch: usize,
 }
 
 impl BuildOptions {
@@ -89,6 +98,7 @@ impl BuildOptions {
             bf16_constants: false,
             fuse: FuseOptions::all(),
             soft_rows: 0,
+            batch: 0,
         }
     }
     pub fn decode(max_context: usize, chunk: usize) -> Self {
@@ -103,6 +113,7 @@ impl BuildOptions {
             bf16_constants: false,
             fuse: FuseOptions::all(),
             soft_rows: 0,
+            batch: 0,
         }
     }
 }
@@ -131,11 +142,19 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
     if o.tokens == 0 {
         return Err(BuildError::Config("a graph needs at least one token".into()));
     }
-    if o.tokens > o.chunk || o.chunk > o.max_context {
+    // (a batch's decode step has a row per sequence, each one token: any number of rows)
+    let rows = o.batch > 0 && o.kind == GraphKind::Decode;
+    if (o.tokens > o.chunk && !rows) || o.chunk > o.max_context {
         return Err(BuildError::Config(format!(
             "tokens {} must be <= chunk {} <= max_context {}",
             o.tokens, o.chunk, o.max_context
         )));
+    }
+    if o.batch > 0 && o.soft_rows > 0 {
+        return Err(BuildError::Config("a batch of sequences takes no image rows".into()));
+    }
+    if (o.outputs == Outputs::RowTokens) != (o.batch > 0 && o.kind == GraphKind::Decode) {
+        return Err(BuildError::Config("a token per row is the output of a batch's decode step, and only of it".into()));
     }
     if o.soft_rows > 0 && !matches!(cfg.family, Family::Gemma4 | Family::Gemma3) {
         return Err(BuildError::Config(format!("model_type {}: image rows in the prompt are supported for Gemma 3 and Gemma 4 only", cfg.model_type)));

@@ -66,6 +66,13 @@ pub enum InputKind {
     /// it attends to (the end of its image span, else its own position; see
     /// [`crate::ops::Op::Attention`]).
     AttnPositions,
+    /// The sequence slot of each row `u32[T]` (graphs over a batch's slot caches; a slot
+    /// past the last one marks an idle row).
+    SlotIds,
+    /// Sampling parameter words of each row `u32[T, 8]` and its recent ids `u32[T, R]`
+    /// (batched decode graphs, [`crate::ops::Op::SampleRows`]).
+    RowSampling,
+    RowRecent,
     /// Log-mel features `f32[T, F]` and each frame's validity `u32[T]` (1: a real frame; an
     /// audio tower's input).
     AudioFeatures,
@@ -76,7 +83,8 @@ pub enum InputKind {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum StateKind {
-    /// K or V cache of one layer: `f32[slots, kv_heads, head_dim]`.
+    /// K or V cache of one layer: `f32[slots, kv_heads, head_dim]`, or
+    /// `f32[sequences, slots, kv_heads, head_dim]` for a batch of sequences.
     KvCache { layer: usize, value: bool },
 }
 

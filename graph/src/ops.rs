@@ -148,6 +148,17 @@ pub enum Op {
     /// writes row `t` at slot `pos[t] % S`. The output is the cache itself. With `heads`:
     /// only those heads of x (which then holds more).
     KvWrite { heads: Option<HeadRange> },
+    /// `[x: f32[T, nkv, D], pos: u32[T], slot: u32[T], cache: state[N, S, nkv, D]] -> state`:
+    /// the cache of N sequence slots (a batch of sequences, each its own ring of S positions);
+    /// row `t` is written at position slot `pos[t] % S` of sequence slot `slot[t]`. Rows whose
+    /// `slot[t] >= N` (idle rows of a batch) write nothing. The output is the cache itself.
+    KvWriteBatched,
+    /// `[q: f32[T, nq, D], pos: u32[T], slot: u32[T], k: state[N, S, nkv, D], v: state[N, S, nkv, D]]
+    /// -> f32[T, nq, D]`: [`Op::Attention`] of each row over its own sequence slot: query `t`
+    /// attends to the positions `j <= pos[t]` (and `j > pos[t] - window`) of slot `slot[t]`,
+    /// read from position slot `j % S`. GQA as [`Op::Attention`]. Rows whose `slot[t] >= N`
+    /// get zeros. Each row's arithmetic depends on its own inputs only.
+    AttentionBatched { scale: f32, window: Option<usize> },
     /// `[x: f32[T, H, D], pos: u32[T], w?: f32-weight[D], cache: state[S, heads, D]] -> state`:
     /// [`Op::NormRope`] of x written straight into a cache as [`Op::KvWrite`] writes (k's norm,
     /// RoPE and cache write in one pass).
@@ -200,6 +211,12 @@ pub enum Op {
     /// `[temperature, top_k, top_p, min_p, repetition_penalty, seed, step, n_recent]`;
     /// the first `n_recent` ids of `recent` get the repetition penalty. Temperature 0 = greedy.
     Sample,
+    /// `[logits: f32[T, V]] -> u32[T]`: the argmax of every row (each row a sequence of a
+    /// batch; ties as [`Op::Argmax`]).
+    ArgmaxRows,
+    /// `[logits: f32[T, V], params: u32[T, 8], recent: u32[T, R]] -> u32[T]`: [`Op::Sample`]
+    /// of every row with its own parameter words and recent ids (each row a sequence of a batch).
+    SampleRows,
     /// `[x: f32[..], lo: f32-weight[], hi: f32-weight[]] -> x`: `min(max(x, lo), hi)` with
     /// scalar bounds (the input and output clips of Gemma 4's clipped linears).
     Clamp,
@@ -301,6 +318,10 @@ impl Op {
             Op::Rope { .. } => "rope",
             Op::NormRope { .. } => "norm_rope",
             Op::KvWrite { .. } => "kv_write",
+            Op::KvWriteBatched => "kv_write_batched",
+            Op::AttentionBatched { .. } => "attention_batched",
+            Op::ArgmaxRows => "argmax_rows",
+            Op::SampleRows => "sample_rows",
             Op::KvWriteNormRope { .. } => "kv_write_norm_rope",
             Op::Attention { .. } => "attention",
             Op::NormRopeAttention { .. } => "norm_rope_attention",
@@ -355,7 +376,7 @@ impl Op {
 
     /// Whether the op writes into the persistent state given as its last input.
     pub fn writes_state(&self) -> bool {
-        matches!(self, Op::KvWrite { .. } | Op::KvWriteNormRope { .. })
+        matches!(self, Op::KvWrite { .. } | Op::KvWriteNormRope { .. } | Op::KvWriteBatched)
     }
 
     /// Attributes as a short human-readable string (for dumps).
@@ -375,7 +396,7 @@ impl Op {
                 format!("eps={eps:e} scale={scale:?} theta={theta} factor={factor} pairs={rotary_pairs}{}", HeadRange::attr(*heads))
             }
             Op::KvWrite { heads } => HeadRange::attr(*heads).trim_start().to_string(),
-            Op::Attention { scale, window } => match window {
+            Op::Attention { scale, window } | Op::AttentionBatched { scale, window } => match window {
                 Some(w) => format!("scale={scale} window={w}"),
                 None => format!("scale={scale} causal"),
             },
@@ -592,6 +613,49 @@ impl Op {
                     return Err(err(format!("{} rows do not fit a cache of {} slots", x.shape[0], c.shape[0])));
                 }
                 Ok(c.clone())
+            }
+            Op::KvWriteBatched => {
+                need(4)?;
+                let x = f32_in(0)?;
+                let (p, s) = (u32_in(1)?, u32_in(2)?);
+                let c = f32_in(3)?;
+                if x.shape.len() != 3 || c.shape.len() != 4 || x.shape[1..] != c.shape[2..] || p.shape != [x.shape[0]] || s.shape != p.shape {
+                    return Err(err(format!("x {} pos {} slot {} cache {}", x.describe(), p.describe(), s.describe(), c.describe())));
+                }
+                if c.shape[0] == 0 || c.shape[1] == 0 {
+                    return Err(err(format!("cache {} has no slots", c.describe())));
+                }
+                Ok(c.clone())
+            }
+            Op::AttentionBatched { .. } => {
+                need(5)?;
+                let q = f32_in(0)?;
+                let (p, s) = (u32_in(1)?, u32_in(2)?);
+                let (k, v) = (f32_in(3)?, f32_in(4)?);
+                if q.shape.len() != 3 || k.shape.len() != 4 || k.shape != v.shape || p.shape != [q.shape[0]] || s.shape != p.shape {
+                    return Err(err(format!("q {} pos {} slot {} k {} v {}", q.describe(), p.describe(), s.describe(), k.describe(), v.describe())));
+                }
+                if q.shape[2] != k.shape[3] || k.shape[2] == 0 || q.shape[1] % k.shape[2] != 0 || k.shape[0] == 0 || k.shape[1] == 0 {
+                    return Err(err(format!("heads/dims: q {} k {}", q.describe(), k.describe())));
+                }
+                Ok(q.clone())
+            }
+            Op::ArgmaxRows => {
+                need(1)?;
+                let l = f32_in(0)?;
+                if l.shape.len() != 2 || l.shape[1] == 0 {
+                    return Err(err(format!("logits {}", l.describe())));
+                }
+                Ok(TensorType::u32(&[l.shape[0]]))
+            }
+            Op::SampleRows => {
+                need(3)?;
+                let l = f32_in(0)?;
+                let (p, r) = (u32_in(1)?, u32_in(2)?);
+                if l.shape.len() != 2 || l.shape[1] == 0 || p.shape != [l.shape[0], SAMPLE_PARAMS] || r.shape.len() != 2 || r.shape[0] != l.shape[0] {
+                    return Err(err(format!("logits {} params {} recent {}", l.describe(), p.describe(), r.describe())));
+                }
+                Ok(TensorType::u32(&[l.shape[0]]))
             }
             Op::Attention { .. } | Op::NormRopeAttention { .. } => {
                 let q = match self {

@@ -116,6 +116,12 @@ pub struct StepInputs<'a> {
     /// Log-mel features `[T, F]` and each frame's validity (audio tower graphs).
     pub features: &'a [f32],
     pub audio_valid: &'a [u32],
+    /// The sequence slot of each row (graphs over a batch's caches).
+    pub slot_ids: &'a [u32],
+    /// Each row's sampling parameter words `[T, 8]` and recent ids `[T, R]` (a batch's
+    /// decode graphs that sample).
+    pub row_sampling: &'a [u32],
+    pub row_recent: &'a [u32],
 }
 
 /// The attention bounds input of a step: the positions, then `attend_until`.
@@ -153,9 +159,13 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                     r.resize(node.ty.numel(), 0);
                     Val::U(Arc::new(r))
                 }
-                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex | InputKind::AudioFeatures | InputKind::AudioValid => {
+                // the inputs taken as a step gives them
+                _ => {
                     let n = node.ty.numel();
                     match input {
+                        InputKind::SlotIds if step.slot_ids.len() == n => Val::U(Arc::new(step.slot_ids.to_vec())),
+                        InputKind::RowSampling if step.row_sampling.len() == n => Val::U(Arc::new(step.row_sampling.to_vec())),
+                        InputKind::RowRecent if step.row_recent.len() == n => Val::U(Arc::new(step.row_recent.to_vec())),
                         InputKind::AudioFeatures if step.features.len() == n => Val::F(Arc::new(step.features.to_vec())),
                         InputKind::AudioValid if step.audio_valid.len() == n => Val::U(Arc::new(step.audio_valid.to_vec())),
                         InputKind::Pixels if step.pixels.len() == n => Val::F(Arc::new(step.pixels.to_vec())),
@@ -294,6 +304,42 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         ops::kv_write(&x, p.u(), row, cache);
                         // The value is the cache; readers fetch it from the state.
                         Val::F(Arc::new(vec![]))
+                    }
+                    Op::KvWriteBatched => {
+                        let (x, p, sl) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]));
+                        let s = &node.ty.shape;
+                        let cache = state.caches.get_mut(&state_key(g, ins[3])).ok_or("state missing")?;
+                        ops::kv_write_batched(x.f(), p.u(), sl.u(), s[0], s[2] * s[3], cache);
+                        Val::F(Arc::new(vec![]))
+                    }
+                    Op::AttentionBatched { scale, window } => {
+                        let (q, p, sl) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]));
+                        let (nq, d) = (node.ty.shape[1], node.ty.shape[2]);
+                        let cs = &g.node(ins[3]).ty.shape;
+                        let (seqs, slots, nkv) = (cs[0], cs[1], cs[2]);
+                        if let Some((t, &pp)) = p.u().iter().enumerate().find(|&(t, &pp)| window.is_none() && pp as usize >= slots && (sl.u()[t] as usize) < seqs) {
+                            return Err(format!("position {pp} (row {t}) exceeds the KV cache of {slots} slots"));
+                        }
+                        let k = state.caches.get(&state_key(g, ins[3])).ok_or("state missing")?;
+                        let v = state.caches.get(&state_key(g, ins[4])).ok_or("state missing")?;
+                        ops::attention_batched(q.f(), p.u(), sl.u(), k, v, seqs, nq, nkv, d, *scale, *window, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::ArgmaxRows => {
+                        let l = get(&vals, ins[0]);
+                        let v = g.node(ins[0]).ty.shape[1];
+                        Val::U(Arc::new(l.f().chunks_exact(v).map(ops::argmax).collect()))
+                    }
+                    Op::SampleRows => {
+                        let (l, p, r) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]));
+                        let v = g.node(ins[0]).ty.shape[1];
+                        let rl = g.node(ins[2]).ty.shape[1];
+                        let toks = l.f().chunks_exact(v).enumerate().map(|(t, row)| {
+                            let mut pw = [0u32; 8];
+                            pw.copy_from_slice(&p.u()[t * 8..t * 8 + 8]);
+                            ops::sample(row, &pw, &r.u()[t * rl..(t + 1) * rl])
+                        });
+                        Val::U(Arc::new(toks.collect()))
                     }
                     Op::KvWriteNormRope { eps, scale, theta, factor, rotary_pairs, heads } => {
                         let p = get(&vals, ins[1]);

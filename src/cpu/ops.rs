@@ -99,6 +99,35 @@ pub fn kv_write(x: &[f32], pos: &[u32], row: usize, cache: &mut [f32]) {
     }
 }
 
+/// Writes rows of `x[T, row]` into the batch cache `cache[N, S, row]`: row `t` at position
+/// slot `pos[t] % S` of sequence slot `slot[t]`; rows with `slot[t] >= N` are skipped.
+pub fn kv_write_batched(x: &[f32], pos: &[u32], slot: &[u32], seqs: usize, row: usize, cache: &mut [f32]) {
+    let per = cache.len() / seqs.max(1);
+    for (t, (&p, &s)) in pos.iter().zip(slot).enumerate() {
+        if (s as usize) < seqs {
+            kv_write(&x[t * row..(t + 1) * row], &[p], row, &mut cache[s as usize * per..(s as usize + 1) * per]);
+        }
+    }
+}
+
+/// [`attention`] of each row of `q[T, nq, d]` over its own sequence slot `slot[t]` of the
+/// batch caches `k, v[N, S, nkv, d]` (rows with `slot[t] >= N`: zeros).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_batched(q: &[f32], pos: &[u32], slot: &[u32], k: &[f32], v: &[f32], seqs: usize, nq: usize, nkv: usize, d: usize, scale: f32, window: Option<usize>, out: &mut [f32]) {
+    let per = k.len() / seqs.max(1);
+    let qrow = nq * d;
+    for (t, (&p, &s)) in pos.iter().zip(slot).enumerate() {
+        let o = &mut out[t * qrow..(t + 1) * qrow];
+        let s = s as usize;
+        if s >= seqs {
+            o.fill(0.0);
+            continue;
+        }
+        let (ks, vs) = (&k[s * per..(s + 1) * per], &v[s * per..(s + 1) * per]);
+        attention(&q[t * qrow..(t + 1) * qrow], &[p], &[p], ks, vs, nq, nkv, d, scale, window, o);
+    }
+}
+
 /// Attention of `q[T, nq, d]` over caches `k, v[S, nkv, d]` holding absolute
 /// positions at slot `j % S`. Query `t` sees `j <= max(pos[t], until[t])` and, with a
 /// window, `j > pos[t] - window` (`until`: the last position of the query's image span).

@@ -30,6 +30,7 @@ use super::weights::GpuFormat;
 
 pub use super::ops::argmax::{ArgmaxKernel, ArgmaxParams};
 pub use super::ops::audio::{AudioKernel, AudioParams, MAX_AUDIO_HEAD_DIM, MAX_AUDIO_WINDOW};
+pub use super::ops::batched::BatchedParams;
 pub use super::ops::attention::{attention_splits, AttentionKernel, AttentionParams, AttnScratch, MAX_HEAD_DIM};
 pub use super::ops::copy::{CopyKernel, CopyParams};
 pub use super::ops::elementwise::{ElementwiseKernel, ElementwiseParams};
@@ -150,6 +151,9 @@ pub enum KernelSpec {
     MoeGroup,
     Copy,
     Argmax { wg: u32 },
+    /// A batch's cache write (`Op::KvWriteBatched`) or attention (`Op::AttentionBatched`)
+    /// (`batched.wgsl`).
+    Batched { attention: bool },
     /// `Op::Sample`: stage `stage` of [`super::sample::STAGES`] (see [`super::sample`]).
     Sample { stage: u32 },
     /// The vision towers' ops (`vision.wgsl`).

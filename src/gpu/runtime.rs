@@ -36,6 +36,8 @@ struct Prepared {
     _scratch: Vec<wgpu::Buffer>,
     _params: Vec<wgpu::Buffer>,
     token: NodeIndex,
+    /// Bytes of the token output (4, or 4 per row of a batch's decode step).
+    token_bytes: u64,
     logits: NodeIndex,
     /// Staging ring of the token readbacks (steps in flight take turns).
     token_ring: Vec<wgpu::Buffer>,
@@ -265,7 +267,8 @@ impl GpuExecutor {
             return Err("token output is not u32".into());
         }
         let logits_bytes = g.node(logits).ty.bytes() as u64;
-        let token_ring = (0..RING).map(|_| self.gpu.try_staging("token staging", 4)).collect::<Result<_, _>>().map_err(err)?;
+        let token_bytes = g.node(token).ty.bytes() as u64;
+        let token_ring = (0..RING).map(|_| self.gpu.try_staging("token staging", token_bytes)).collect::<Result<_, _>>().map_err(err)?;
         let logits_staging = self.gpu.try_staging("logits staging", logits_bytes).map_err(err)?;
         Ok(Prepared {
             pool,
@@ -274,6 +277,7 @@ impl GpuExecutor {
             _scratch: acc.scratch,
             _params: acc.params,
             token,
+            token_bytes,
             logits,
             token_ring,
             next_slot: 0,
@@ -452,8 +456,12 @@ impl GpuExecutor {
                     r.resize(n, 0);
                     q.write_buffer(b, 0, bytemuck::cast_slice(&r));
                 }
-                InputKind::Pixels | InputKind::PatchX | InputKind::PatchY | InputKind::SoftRows | InputKind::SoftIndex | InputKind::AudioFeatures | InputKind::AudioValid => {
+                // the inputs taken as a step gives them
+                _ => {
                     let bytes: &[u8] = match kind {
+                        InputKind::SlotIds => bytemuck::cast_slice(step.slot_ids),
+                        InputKind::RowSampling => bytemuck::cast_slice(step.row_sampling),
+                        InputKind::RowRecent => bytemuck::cast_slice(step.row_recent),
                         InputKind::AudioFeatures => bytemuck::cast_slice(step.features),
                         InputKind::AudioValid => bytemuck::cast_slice(step.audio_valid),
                         InputKind::Pixels => bytemuck::cast_slice(step.pixels),
@@ -480,8 +488,8 @@ impl GpuExecutor {
         // The end of a step: the token to its readback slot (and to the graph's own
         // input, for the next pipelined step), the logits when asked for.
         let outputs = |enc: &mut wgpu::CommandEncoder| {
-            enc.copy_buffer_to_buffer(&token_buf, 0, token_staging, 0, 4);
-            if let Some(f) = feedback {
+            enc.copy_buffer_to_buffer(&token_buf, 0, token_staging, 0, p.token_bytes);
+            if let Some(f) = feedback.filter(|_| p.token_bytes == 4) {
                 enc.copy_buffer_to_buffer(&token_buf, 0, f, 0, 4);
             }
             if want_logits {
@@ -559,8 +567,9 @@ impl GpuExecutor {
         let f = self.in_flight.pop_front().ok_or("no step in flight")?;
         let p = &self.prepared[&f.key];
         let want_logits = f.want_logits;
-        let tok = self.read_staging_after(&p.token_ring[f.slot], 4, f.submission.clone())?;
-        let token = u32::from_le_bytes([tok[0], tok[1], tok[2], tok[3]]);
+        let tok = self.read_staging_after(&p.token_ring[f.slot], p.token_bytes, f.submission.clone())?;
+        let tokens: Vec<u32> = tok.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let token = *tokens.first().ok_or("the token output is empty")?;
         let logits = if want_logits {
             let b = self.read_staging(&p.logits_staging, p.logits_bytes)?;
             Some(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
@@ -595,7 +604,7 @@ impl GpuExecutor {
             }
             self.profiled = r;
         }
-        Ok(StepOutput { logits, token })
+        Ok(StepOutput { logits, token, tokens })
     }
 
     /// Reads back and drops every step still in flight.

@@ -1,27 +1,28 @@
-//! The scheduler: one engine thread owns a fixed set of sequence slots (one [`Session`] each,
-//! its KV cache allocated once) and a bounded queue of waiting requests. Each step it
+//! The scheduler: one engine thread owns a [`Batch`] of sequence slots (one KV cache of all
+//! the slots, allocated once) and a bounded queue of waiting requests. Each step it
 //!
 //! 1. drops sequences whose client went away (their slot is free for the next request),
 //! 2. admits waiting requests into free slots, reusing the longest cached prompt prefix a
 //!    free slot still holds (a shared system prompt is not prefilled again),
 //! 3. runs one prefill chunk (the engine's prefill chunk of tokens) of the oldest requests
 //!    still prefilling, so a long prompt delays running streams by one chunk per step at most,
-//! 4. advances every decoding sequence by one token: on a GPU every step is submitted before
-//!    any is read back; on the CPU the sequences run in parallel on the thread pool.
+//! 4. advances every decoding sequence by one token, all of them in one batched decode step
+//!    (one row each: every matmul multiplies the weights with all the rows at once).
 //!
-//! Prompts are cut at the same positions whatever else runs, and each sequence samples with its
-//! own counter, so a request's output does not depend on what runs beside it.
+//! Prompts are cut at the same positions whatever else runs, each row of a decode step is
+//! computed as it would be alone (see [`crate::batch`]), and each sequence samples with its own
+//! counter, so a request's output does not depend on what runs beside it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use rayon::prelude::*;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, SampleParams, Session};
+use crate::batch::{Batch, Row};
+use crate::engine::{Engine, SampleParams};
 use crate::tokenizer::Tokenizer;
 
 /// One generation request, tokenized and checked.
@@ -123,10 +124,8 @@ impl Scheduler {
     pub fn start(engine: Arc<Engine>, parallel: usize, max_queue: usize, metrics: Arc<Metrics>) -> Result<(Scheduler, std::thread::JoinHandle<()>), String> {
         let tokenizer_ok = engine.tokenizer().map(|_| ()).map_err(|e| e.to_string());
         tokenizer_ok?;
-        let slots = (0..parallel)
-            .map(|_| engine.session().map(|session| Slot { session, seq: None }))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
+        let batch = Batch::new(&engine, parallel).map_err(|e| e.to_string())?;
+        let slots = (0..parallel).map(|_| Slot { seq: None }).collect();
         metrics.kv_total.store((parallel * engine.max_context()) as u64, Relaxed);
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { waiting: VecDeque::new(), in_system: 0, draining: false }),
@@ -134,7 +133,7 @@ impl Scheduler {
             capacity: parallel + max_queue,
             metrics,
         });
-        let worker = Worker { engine, shared: shared.clone(), slots, admitted: 0 };
+        let worker = Worker { engine, shared: shared.clone(), batch, slots, admitted: 0 };
         let handle = std::thread::Builder::new().name("markbase-engine".into()).spawn(move || worker.run()).map_err(|e| e.to_string())?;
         Ok((Scheduler { shared }, handle))
     }
@@ -176,7 +175,7 @@ struct Seq {
     job: Job,
     /// Admission order (prefill is first come, first served).
     order: u64,
-    /// Prompt tokens in the session's cache.
+    /// Prompt tokens in the slot's cache.
     fed: usize,
     cached: usize,
     /// The last sampled token, fed by the next decode step.
@@ -190,7 +189,6 @@ struct Seq {
 }
 
 struct Slot {
-    session: Session,
     seq: Option<Seq>,
 }
 
@@ -201,6 +199,8 @@ type Sampled = Result<Token, String>;
 struct Worker {
     engine: Arc<Engine>,
     shared: Arc<Shared>,
+    /// The slots' caches and tokens.
+    batch: Batch,
     slots: Vec<Slot>,
     admitted: u64,
 }
@@ -233,7 +233,7 @@ impl Worker {
                 for i in 0..self.slots.len() {
                     if let Some(seq) = &self.slots[i].seq {
                         let _ = seq.job.tx.send(Event::Error("internal error in the scheduler step".into()));
-                        self.slots[i].session.reset();
+                        self.batch.reset(i);
                         self.finish_slot(i, None);
                     }
                 }
@@ -255,7 +255,7 @@ impl Worker {
             .iter()
             .enumerate()
             .filter(|(_, s)| s.seq.is_none())
-            .map(|(i, s)| (common_prefix(s.session.tokens(), prompt), i))
+            .map(|(i, _)| (common_prefix(self.batch.tokens(i), prompt), i))
             .max_by_key(|&(common, i)| (common, std::cmp::Reverse(i)));
         let Some((common, i)) = best else {
             // the caller admits no more jobs than there are free slots
@@ -263,13 +263,12 @@ impl Worker {
             self.release(1);
             return;
         };
-        let session = &mut self.slots[i].session;
         // at least one prompt token is fed: the step that samples the first token
         let keep = common.min(prompt.len().saturating_sub(1));
-        let cached = if keep > 0 && session.truncate(keep) {
+        let cached = if keep > 0 && self.batch.truncate(i, keep) {
             keep
         } else {
-            session.reset();
+            self.batch.reset(i);
             0
         };
         m.prompt_tokens.fetch_add(prompt.len() as u64, Relaxed);
@@ -292,7 +291,7 @@ impl Worker {
         self.decode(&decoding);
         let m = &self.shared.metrics;
         m.steps.fetch_add(1, Relaxed);
-        let used: usize = self.slots.iter().filter(|s| s.seq.is_some()).map(|s| s.session.position()).sum();
+        let used: usize = (0..self.slots.len()).filter(|&i| self.slots[i].seq.is_some()).map(|i| self.batch.position(i)).sum();
         m.kv_used.store(used as u64, Relaxed);
     }
 
@@ -312,8 +311,7 @@ impl Worker {
             if budget == 0 {
                 break;
             }
-            let slot = &mut self.slots[i];
-            let Some(seq) = slot.seq.as_mut() else { continue };
+            let Some(seq) = self.slots[i].seq.as_mut() else { continue };
             let prompt = &seq.job.req.prompt;
             // whole chunks, then the rest (which the engine cuts in powers of two): the pieces
             // a prompt fed at once is cut in
@@ -321,7 +319,7 @@ impl Worker {
             budget = budget.saturating_sub(n);
             let end = seq.fed + n;
             let last = end == prompt.len();
-            let r = feed_prompt(&mut slot.session, &prompt[seq.fed..end], last, &seq.job.req);
+            let r = feed_prompt(&mut self.batch, i, &prompt[seq.fed..end], last, &seq.job.req);
             match r {
                 Ok(out) => {
                     seq.fed = end;
@@ -334,41 +332,35 @@ impl Worker {
         }
     }
 
-    /// One decode step of each sequence in `idx`.
+    /// One batched decode step of the sequences in `idx`.
     fn decode(&mut self, idx: &[usize]) {
-        let mut results: Vec<(usize, Sampled)> = Vec::with_capacity(idx.len());
-        // GPU: queue every pipelinable step first, so the device runs them back to back
-        let mut submitted = vec![];
-        let mut others = vec![];
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            let Some(seq) = slot.seq.as_ref() else { continue };
-            let (Some(tok), true) = (seq.next, idx.contains(&i)) else { continue };
-            let req = &seq.job.req;
-            if req.logprobs.is_none() && slot.session.can_pipeline(&req.sampling) {
-                match slot.session.submit_decode(Some(tok), &req.sampling) {
-                    Ok(()) => submitted.push(i),
-                    Err(e) => results.push((i, Err(e.to_string()))),
-                }
-            } else {
-                others.push((i, slot));
+        let mut rows: Vec<Row> = Vec::with_capacity(idx.len());
+        let mut logits = false;
+        for &i in idx {
+            let Some(seq) = self.slots[i].seq.as_ref() else { continue };
+            let Some(token) = seq.next else { continue };
+            logits |= seq.job.req.logprobs.is_some();
+            rows.push(Row { slot: i, token, sampling: &seq.job.req.sampling, step: seq.sampled as u32 });
+        }
+        if rows.is_empty() {
+            return;
+        }
+        let slots: Vec<usize> = rows.iter().map(|r| r.slot).collect();
+        let results: Vec<(usize, Sampled)> = match self.batch.decode(&rows, logits) {
+            Ok(out) => {
+                let v = self.engine.config.vocab_size;
+                slots
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &i)| {
+                        let wants = self.slots[i].seq.as_ref().is_some_and(|s| s.job.req.logprobs.is_some());
+                        let row = out.logits.as_ref().filter(|_| wants).and_then(|l| l.get(r * v..(r + 1) * v)).map(|l| l.to_vec());
+                        (i, Ok((out.tokens[r], row)))
+                    })
+                    .collect()
             }
-        }
-        let cpu: Vec<(usize, Sampled)> = others
-            .into_par_iter()
-            .map(|(i, slot)| {
-                let seq = slot.seq.as_ref().expect("a decoding slot has a sequence");
-                let (tok, req) = (seq.next.unwrap_or(0), &seq.job.req);
-                let logits = req.logprobs.is_some();
-                let r = slot.session.forward(&[tok], logits, Some(&req.sampling)).map(|o| (o.token, o.logits)).map_err(|e| e.to_string());
-                (i, r)
-            })
-            .collect();
-        results.extend(cpu);
-        for i in submitted {
-            let r = self.slots[i].session.take_decode().map(|t| (t, None)).map_err(|e| e.to_string());
-            results.push((i, r));
-        }
-        results.sort_by_key(|r| r.0);
+            Err(e) => slots.iter().map(|&i| (i, Err(e.to_string()))).collect(),
+        };
         for (i, r) in results {
             self.sampled(i, r);
         }
@@ -382,7 +374,7 @@ impl Worker {
                 if let Some(seq) = &self.slots[i].seq {
                     let _ = seq.job.tx.send(Event::Error(e));
                 }
-                self.slots[i].session.reset();
+                self.batch.reset(i);
                 self.finish_slot(i, None);
                 return;
             }
@@ -424,7 +416,7 @@ impl Worker {
             }
             let _ = seq.job.tx.send(Event::Token { text, logprob });
         }
-        if finish.is_none() && (seq.sampled >= seq.job.req.max_tokens || self.slots[i].session.position() >= max_context) {
+        if finish.is_none() && (seq.sampled >= seq.job.req.max_tokens || self.batch.position(i) >= max_context) {
             finish = Some(Finish::Length);
         }
         match finish {
@@ -438,7 +430,7 @@ impl Worker {
     }
 
     /// Ends the sequence in slot `i` (`None`: cancelled or failed) and frees the slot; the
-    /// session keeps its tokens for a later prompt with the same prefix.
+    /// slot's cache keeps its tokens for a later prompt with the same prefix.
     fn finish_slot(&mut self, i: usize, finish: Option<Finish>) {
         let Some(mut seq) = self.slots[i].seq.take() else { return };
         // the slot is free before the client hears of the end: its next request is admitted
@@ -467,25 +459,17 @@ impl Worker {
     }
 }
 
-/// Feeds a piece of a prompt; the last piece samples the first token (at sampler step 0,
-/// as a prompt fed at once does), with the last position's logits where asked for.
-fn feed_prompt(s: &mut Session, ids: &[u32], last: bool, req: &Request) -> Result<Option<Token>, String> {
+/// Feeds a piece of a prompt into slot `slot`; the last piece samples the first token (at
+/// sampler step 0), with the last position's logits where asked for.
+fn feed_prompt(b: &mut Batch, slot: usize, ids: &[u32], last: bool, req: &Request) -> Result<Option<Token>, String> {
     let e = |e: crate::Error| e.to_string();
     if !last {
-        s.forward(ids, false, None).map_err(e)?;
+        b.prefill(slot, ids, false, None).map_err(e)?;
         return Ok(None);
     }
-    if req.logprobs.is_none() {
-        s.set_sampler_step(0);
-        return s.forward(ids, false, Some(&req.sampling)).map(|o| Some((o.token, None))).map_err(e);
-    }
-    // only the last position's logits are read back
-    let (head, tail) = ids.split_at(ids.len() - 1);
-    if !head.is_empty() {
-        s.forward(head, false, None).map_err(e)?;
-    }
-    s.set_sampler_step(0);
-    s.forward(tail, true, Some(&req.sampling)).map(|o| Some((o.token, o.logits))).map_err(e)
+    let logits = req.logprobs.is_some();
+    let out = b.prefill(slot, ids, logits, Some((&req.sampling, 0))).map_err(e)?;
+    Ok(Some((out.token, out.logits)))
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {

@@ -55,6 +55,10 @@ pub struct Case {
     pub attend_until: Vec<u32>,
     pub sampling: [u32; 8],
     pub recent: Vec<u32>,
+    /// Each row's sequence slot, sampling words and recent ids (the batched ops' cases).
+    pub slot_ids: Vec<u32>,
+    pub row_sampling: Vec<u32>,
+    pub row_recent: Vec<u32>,
     pub check: Check,
     /// What is compared (each with `check`).
     pub reads: Vec<Read>,
@@ -279,7 +283,8 @@ pub struct Outcome {
 }
 
 fn step<'a>(tokens: &'a [u32], positions: &'a [u32], c: &'a Case) -> StepInputs<'a> {
-    StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent, attend_until: &c.attend_until, ..Default::default() }
+    let rows = (&c.slot_ids[..], &c.row_sampling[..], &c.row_recent[..]);
+    StepInputs { tokens, positions, sampling: c.sampling, recent: &c.recent, attend_until: &c.attend_until, slot_ids: rows.0, row_sampling: rows.1, row_recent: rows.2, ..Default::default() }
 }
 
 const PRELUDE: GraphKey = GraphKey { tokens: 0, all_logits: true, sample: false, images: false };

@@ -25,6 +25,10 @@ pub(crate) struct B<'a> {
     pub attn_pos: NodeIndex,
     /// Which layers' attention reads `attn_pos` (the others read `pos`).
     spans: Spans,
+    /// The sequence slot of each row (graphs over a batch's caches, [`BuildOptions::batch`]).
+    pub slot: Option<NodeIndex>,
+    /// Sequences of the batch's caches (0: one sequence).
+    pub batch: usize,
     pub eps: f32,
 }
 
@@ -45,8 +49,9 @@ impl<'a> B<'a> {
         let mut g = Graph::new(o.tokens, o.kind);
         let tokens = g.input("tokens", InputKind::Tokens, TensorType::u32(&[o.tokens]));
         let pos = g.input("positions", InputKind::Positions, TensorType::u32(&[o.tokens]));
+        let slot = (o.batch > 0).then(|| g.input("slot_ids", InputKind::SlotIds, TensorType::u32(&[o.tokens])));
         let prefix = o.prefix.clone().unwrap_or_else(|| cfg.default_prefix().to_string());
-        (B { g, cfg, res, prefix, pos, attn_pos: pos, spans: Spans::Off, eps: cfg.rms_norm_eps as f32 }, tokens)
+        (B { g, cfg, res, prefix, pos, attn_pos: pos, spans: Spans::Off, slot, batch: o.batch, eps: cfg.rms_norm_eps as f32 }, tokens)
     }
 
     /// Image soft-token rows merged into the embeddings `x` (inputs `soft_rows` `[N, D]` and
@@ -162,10 +167,11 @@ impl<'a> B<'a> {
         self.op(&format!("{name}_rope"), layer, rope.clone(), &[n, self.pos])
     }
 
-    /// The K and V caches of layer `i`: `[slots, nkv, d]` each.
+    /// The K and V caches of layer `i`: `[slots, nkv, d]` each (`[batch, slots, nkv, d]` over a
+    /// batch of sequences).
     pub fn kv_states(&mut self, i: usize, nkv: usize, d: usize, slots: usize) -> (NodeIndex, NodeIndex) {
         let l = Some(i);
-        let cache_ty = TensorType::f32(&[slots, nkv, d]);
+        let cache_ty = if self.batch > 0 { TensorType::f32(&[self.batch, slots, nkv, d]) } else { TensorType::f32(&[slots, nkv, d]) };
         let ks = self.g.state(&format!("l{i}.k_cache"), l, StateKind::KvCache { layer: i, value: false }, cache_ty.clone());
         let vs = self.g.state(&format!("l{i}.v_cache"), l, StateKind::KvCache { layer: i, value: true }, cache_ty);
         (ks, vs)
@@ -190,8 +196,13 @@ impl<'a> B<'a> {
         let vt = self.g.node(v).ty.shape.clone();
         let (ks, vs) = self.kv_states(i, vt[1], vt[2], slots);
         let k = self.norm_rope("k", l, k, k_norm, conv, rope)?;
-        let kc = self.op("k_write", l, Op::KvWrite { heads: None }, &[k, self.pos, ks])?;
         let v = if v_norm { self.norm("v_norm", l, v, None, NormScale::None)? } else { v };
+        if let Some(slot) = self.slot {
+            let kc = self.op("k_write", l, Op::KvWriteBatched, &[k, self.pos, slot, ks])?;
+            let vc = self.op("v_write", l, Op::KvWriteBatched, &[v, self.pos, slot, vs])?;
+            return Ok((kc, vc));
+        }
+        let kc = self.op("k_write", l, Op::KvWrite { heads: None }, &[k, self.pos, ks])?;
         let vc = self.op("v_write", l, Op::KvWrite { heads: None }, &[v, self.pos, vs])?;
         Ok((kc, vc))
     }
@@ -201,8 +212,14 @@ impl<'a> B<'a> {
     pub fn attention_block(&mut self, i: usize, x: NodeIndex, q: NodeIndex, (kc, vc): (NodeIndex, NodeIndex), conv: NormScale) -> Result<NodeIndex, BuildError> {
         let (l, cfg) = (Some(i), self.cfg);
         let window = if cfg.layer_types[i] == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
-        let pos = if self.spans == Spans::SlidingLayers && window.is_none() { self.pos } else { self.attn_pos };
-        let a = self.op("attention", l, Op::Attention { scale: cfg.attn_scale as f32, window }, &[q, pos, kc, vc])?;
+        let scale = cfg.attn_scale as f32;
+        let a = match self.slot {
+            Some(slot) => self.op("attention", l, Op::AttentionBatched { scale, window }, &[q, self.pos, slot, kc, vc])?,
+            None => {
+                let pos = if self.spans == Spans::SlidingLayers && window.is_none() { self.pos } else { self.attn_pos };
+                self.op("attention", l, Op::Attention { scale, window }, &[q, pos, kc, vc])?
+            }
+        };
         let qs = self.g.node(a).ty.shape.clone();
         let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;
         let a = self.linear("o_proj", l, a, &format!("layers.{i}.self_attn.o_proj"), cfg.hidden_size)?;
@@ -246,7 +263,13 @@ impl<'a> B<'a> {
         if let Some(cap) = self.cfg.final_logit_softcap {
             logits = self.op("softcap", None, Op::Unary { f: UnaryOp::Softcap { cap: cap as f32 } }, &[logits])?;
         }
-        let tok = if o.sample {
+        let tok = if o.outputs == Outputs::RowTokens && o.sample {
+            let params = self.g.input("row_sampling", InputKind::RowSampling, TensorType::u32(&[t, crate::ops::SAMPLE_PARAMS]));
+            let recent = self.g.input("row_recent", InputKind::RowRecent, TensorType::u32(&[t, RECENT_TOKENS]));
+            self.op("sample", None, Op::SampleRows, &[logits, params, recent])?
+        } else if o.outputs == Outputs::RowTokens {
+            self.op("argmax", None, Op::ArgmaxRows, &[logits])?
+        } else if o.sample {
             let params = self.g.input("sampling_params", InputKind::SamplingParams, TensorType::u32(&[crate::ops::SAMPLE_PARAMS]));
             let recent = self.g.input("recent_tokens", InputKind::RecentTokens, TensorType::u32(&[RECENT_TOKENS]));
             self.op("sample", None, Op::Sample, &[logits, params, recent])?

@@ -53,14 +53,24 @@ params_struct! {
     pub struct ArgmaxParams {
         pub v: u32,
         pub offset: u32,
-        pub _pad: [u32; 2],
+        /// The row of a batch (its token goes to `out[row]`; the sampler reads its words and
+        /// recent ids at that row).
+        pub row: u32,
+        /// Recent ids per row (the sampler; 0: the whole binding, one row).
+        pub recent_len: u32,
     }
 }
 
 impl ArgmaxParams {
     /// Argmax of the last row of `logits[T, V]`.
     pub fn last_row(t: usize, v: usize) -> Self {
-        ArgmaxParams { v: v as u32, offset: ((t - 1) * v) as u32, _pad: [0; 2] }
+        ArgmaxParams { v: v as u32, offset: ((t - 1) * v) as u32, row: 0, recent_len: 0 }
+    }
+
+    /// Row `r` of a batch's logits `[T, V]`, its token to `out[r]`, its recent ids `recent_len`
+    /// words from `r * recent_len`.
+    pub fn row(r: usize, v: usize, recent_len: usize) -> Self {
+        ArgmaxParams { v: v as u32, offset: (r * v) as u32, row: r as u32, recent_len: recent_len as u32 }
     }
 }
 
@@ -96,6 +106,29 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             cx.acc.scratch.extend(s.scratch());
             for (k, bg, groups) in s.dispatches(dev, &p, &cx.input(0)?, &cx.input(1)?, &cx.input(2)?, &cx.out()?) {
                 cx.push(k, bg, groups);
+            }
+        }
+        Op::ArgmaxRows => {
+            let ls = cx.shape_of(0);
+            let k = kernels.argmax().map_err(cx.kerr())?;
+            let (l, out) = (cx.input(0)?, cx.out()?);
+            for r in 0..ls[0] {
+                let p = cx.uni(bytemuck::bytes_of(&ArgmaxParams::row(r, ls[1], 0)))?;
+                let bg = k.bind_group(dev, &p, &l, &out);
+                cx.push(k.kernel.clone(), bg, [1, 1, 1]);
+            }
+        }
+        Op::SampleRows => {
+            // the sampler's dispatches once per row, one after the other on shared scratch
+            let (ls, rs) = (cx.shape_of(0), cx.shape_of(2));
+            let s = crate::gpu::sample::Sampler::new(&cx.gpu, &kernels, ls[1]).map_err(cx.kerr())?;
+            cx.acc.scratch.extend(s.scratch());
+            let (l, words, recent, out) = (cx.input(0)?, cx.input(1)?, cx.input(2)?, cx.out()?);
+            for r in 0..ls[0] {
+                let p = cx.uni(bytemuck::bytes_of(&ArgmaxParams::row(r, ls[1], rs[1])))?;
+                for (k, bg, groups) in s.dispatches(dev, &p, &l, &words, &recent, &out) {
+                    cx.push(k, bg, groups);
+                }
             }
         }
         _ => return Err(cx.not_ours("argmax")),

@@ -20,6 +20,7 @@ use super::weights::GpuWeight;
 pub mod argmax;
 pub mod attention;
 pub mod audio;
+pub mod batched;
 pub mod copy;
 pub mod elementwise;
 pub mod embed;
@@ -54,6 +55,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     routing::FAMILY,
     copy::FAMILY,
     argmax::FAMILY,
+    batched::FAMILY,
     vision::FAMILY,
     audio::FAMILY,
 ];
@@ -300,7 +302,8 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Binary { .. } | Op::Unary { .. } | Op::GeGlu => elementwise::lower(cx),
         Op::MoeGroup { .. } | Op::TopK { .. } | Op::TopKSoftmax | Op::WeightedSum => routing::lower(cx),
         Op::Slice { .. } => copy::lower(cx),
-        Op::Argmax | Op::Sample => argmax::lower(cx),
+        Op::Argmax | Op::Sample | Op::ArgmaxRows | Op::SampleRows => argmax::lower(cx),
+        Op::KvWriteBatched | Op::AttentionBatched { .. } => batched::lower(cx),
         Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } | Op::Scatter => vision::lower(cx),
         Op::Conv2d { .. } | Op::MaskRows | Op::StridedRows { .. } | Op::Glu | Op::DepthwiseConv1d | Op::AudioAttention { .. } => audio::lower(cx),
     }

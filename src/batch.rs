@@ -1,0 +1,261 @@
+//! A batch of sequences on one [`Engine`]: one executor holds the KV caches of `slots`
+//! sequences (`[slots, S, kv_heads, head_dim]` per layer; sliding layers keep a ring per
+//! sequence), prompts are fed slot by slot in prefill steps, and one decode step advances any
+//! number of the sequences at once: a graph of one row per sequence, each row with its own
+//! token, position, slot and sampling parameters, so every matmul multiplies the weights with
+//! all the rows at once.
+//!
+//! Each row's arithmetic is that of the same row alone: the batched ops compute every row
+//! from its own inputs, and the matmuls of a step's graph compute each row as they would at
+//! any other row count of the graphs a batch runs (the CPU reference computes every row the
+//! same way; on a GPU, the decode graphs have 8 to 64 rows, all through the tiled GEMM with
+//! one tile configuration). Rows past the sequences of a step are idle: they read slot
+//! `u32::MAX`, write nothing and attend to nothing.
+//!
+//! ```no_run
+//! use markbase::batch::{Batch, Row};
+//! use markbase::engine::{Engine, ModelOptions, SampleParams};
+//! let engine = Engine::load("models/gemma3-270m-q4", ModelOptions::default())?;
+//! let mut b = Batch::new(&engine, 4)?;
+//! let greedy = SampleParams::default();
+//! let a = b.prefill(0, &[2, 818, 5279], false, Some((&greedy, 0)))?.token;
+//! let c = b.prefill(1, &[2, 1437], false, Some((&greedy, 0)))?.token;
+//! let rows = [Row { slot: 0, token: a, sampling: &greedy, step: 1 }, Row { slot: 1, token: c, sampling: &greedy, step: 1 }];
+//! let next = b.decode(&rows, false)?.tokens; // a token per row
+//! # Ok::<(), markbase::engine::Error>(())
+//! ```
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use markbase_graph::builder::RECENT_TOKENS;
+use markbase_graph::passes::Compiled;
+
+use crate::cpu::exec::StepInputs;
+use crate::engine::{prefill_steps, Engine, Error, SampleParams};
+use crate::exec::{Executor, GraphKey, StepOutput};
+
+/// Most sequences of a batch on a GPU: the decode graphs' rows stay within one 64-row tile of
+/// the GEMM, whose arithmetic per row is then the same at every row count.
+pub const MAX_GPU_SLOTS: usize = 64;
+/// Fewest rows of a decode graph on a GPU: from 8 rows on, every matmul takes the tiled GEMM
+/// (fewer take the GEMV, whose reduction order differs).
+pub const MIN_GPU_ROWS: usize = 8;
+
+/// The slot of an idle row.
+pub const IDLE: u32 = u32::MAX;
+
+/// One sequence's row of a decode step.
+#[derive(Clone, Copy, Debug)]
+pub struct Row<'a> {
+    pub slot: usize,
+    /// The token fed (the one sampled by the previous step).
+    pub token: u32,
+    pub sampling: &'a SampleParams,
+    /// The sampler's counter for this row (tokens the sequence has sampled so far).
+    pub step: u32,
+}
+
+/// The sequences of a batch and the executor of their caches.
+pub struct Batch {
+    engine: Arc<Engine>,
+    exec: Box<dyn Executor>,
+    graphs: HashMap<GraphKey, Arc<Compiled>>,
+    /// Tokens in each slot's cache.
+    history: Vec<Vec<u32>>,
+    /// Fewest rows of a decode graph.
+    min_rows: usize,
+}
+
+impl Batch {
+    /// A batch of `slots` sequences on `engine` (its caches are allocated by the first step).
+    pub fn new(engine: &Arc<Engine>, slots: usize) -> Result<Batch, Error> {
+        if slots == 0 {
+            return Err(Error::Input("a batch needs at least one sequence slot".into()));
+        }
+        let gpu = engine.on_gpu();
+        if gpu && slots > MAX_GPU_SLOTS {
+            return Err(Error::Input(format!("at most {MAX_GPU_SLOTS} sequences run in parallel on a GPU, not {slots}")));
+        }
+        let min_rows = if gpu { MIN_GPU_ROWS } else { 1 };
+        Ok(Batch { engine: engine.clone(), exec: engine.executor(), graphs: HashMap::new(), history: vec![vec![]; slots], min_rows })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.history.len()
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Tokens whose keys and values slot `slot` holds.
+    pub fn tokens(&self, slot: usize) -> &[u32] {
+        self.history.get(slot).map_or(&[], |h| h.as_slice())
+    }
+
+    pub fn position(&self, slot: usize) -> usize {
+        self.tokens(slot).len()
+    }
+
+    /// Forgets slot `slot`'s sequence.
+    pub fn reset(&mut self, slot: usize) {
+        if let Some(h) = self.history.get_mut(slot) {
+            h.clear();
+        }
+    }
+
+    /// Keeps only the first `n` tokens of slot `slot`, so that another continuation can be fed
+    /// after them; false (nothing changed) where a sliding-window ring has already overwritten
+    /// positions they need (as [`crate::engine::Session::truncate`]).
+    pub fn truncate(&mut self, slot: usize, n: usize) -> bool {
+        let window = self.engine.config.sliding_window.min(self.engine.max_context());
+        let Some(h) = self.history.get_mut(slot) else { return false };
+        let len = h.len();
+        if n >= len {
+            return n == len;
+        }
+        if len - n > 1 && len > window {
+            return false;
+        }
+        h.truncate(n);
+        true
+    }
+
+    /// The rows of the decode graph for `n` sequences: a power of two, at least the batch's
+    /// fewest.
+    pub fn rows_for(&self, n: usize) -> usize {
+        n.max(self.min_rows).next_power_of_two()
+    }
+
+    fn graph(&mut self, key: GraphKey) -> Result<Arc<Compiled>, Error> {
+        if let Some(c) = self.graphs.get(&key) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(self.engine.batch_graph(key, self.history.len())?);
+        self.graphs.insert(key, c.clone());
+        Ok(c)
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<(), Error> {
+        if slot >= self.history.len() {
+            return Err(Error::Input(format!("sequence slot {slot} out of range ({} slots)", self.history.len())));
+        }
+        Ok(())
+    }
+
+    /// Feeds `ids` after slot `slot`'s sequence, in the steps a session feeds them in
+    /// ([`prefill_steps`]). With `sampling` (parameters and sampler step), the last position's
+    /// token is sampled; with `logits`, its logits are returned.
+    pub fn prefill(&mut self, slot: usize, ids: &[u32], logits: bool, sampling: Option<(&SampleParams, u32)>) -> Result<StepOutput, Error> {
+        self.check_slot(slot)?;
+        if ids.is_empty() {
+            return Err(Error::Input("no tokens to process".into()));
+        }
+        if let Some((s, _)) = sampling {
+            s.validate().map_err(Error::Sampling)?;
+        }
+        let vocab = self.engine.config.vocab_size as u32;
+        if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
+            return Err(Error::Input(format!("token id {bad} is outside the vocabulary ({vocab})")));
+        }
+        let max_context = self.engine.max_context();
+        let have = self.history[slot].len();
+        if have + ids.len() > max_context {
+            return Err(Error::Input(format!("context full: {have} + {} tokens exceed max_context {max_context}", ids.len())));
+        }
+        let mut last = StepOutput::default();
+        let mut start = 0;
+        for n in prefill_steps(ids.len(), self.engine.prefill_chunk()) {
+            let chunk = &ids[start..start + n];
+            start += n;
+            let sample = sampling.is_some_and(|(s, _)| needs_sampler(s));
+            let key = GraphKey { tokens: n, all_logits: false, sample, images: false };
+            let c = self.graph(key)?;
+            let h = &self.history[slot];
+            let p0 = h.len() as u32;
+            let positions: Vec<u32> = (p0..p0 + n as u32).collect();
+            let recent = recent_of(h, chunk);
+            let words = sampling.map(|(s, step)| s.words(step, recent.len() as u32)).unwrap_or_default();
+            let slot_ids = vec![slot as u32; n];
+            let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent, slot_ids: &slot_ids, ..Default::default() };
+            last = self.exec.run(key, &c, &step, logits && start == ids.len()).map_err(Error::Device)?;
+            self.history[slot].extend_from_slice(chunk);
+        }
+        Ok(last)
+    }
+
+    /// One decode step of the sequences of `rows` (distinct slots): each row's token is fed
+    /// at its slot's next position. Returns a token per row, in order (`tokens`), and with
+    /// `logits`, the logits of every row of the graph (`[rows_for(rows.len()), V]`, the
+    /// given rows first).
+    pub fn decode(&mut self, rows: &[Row], logits: bool) -> Result<StepOutput, Error> {
+        if rows.is_empty() {
+            return Err(Error::Input("a decode step needs at least one sequence".into()));
+        }
+        let vocab = self.engine.config.vocab_size as u32;
+        let max_context = self.engine.max_context();
+        let mut seen = vec![false; self.history.len()];
+        for r in rows {
+            self.check_slot(r.slot)?;
+            if std::mem::replace(&mut seen[r.slot], true) {
+                return Err(Error::Input(format!("sequence slot {} twice in one decode step", r.slot)));
+            }
+            r.sampling.validate().map_err(Error::Sampling)?;
+            if r.token >= vocab {
+                return Err(Error::Input(format!("token id {} is outside the vocabulary ({vocab})", r.token)));
+            }
+            if self.history[r.slot].len() + 1 > max_context {
+                return Err(Error::Input(format!("context full: max_context {max_context}")));
+            }
+        }
+        let b = self.rows_for(rows.len());
+        let sample = rows.iter().any(|r| needs_sampler(r.sampling));
+        let key = GraphKey { tokens: b, all_logits: true, sample, images: false };
+        let c = self.graph(key)?;
+        let mut tokens = vec![0u32; b];
+        let mut positions = vec![0u32; b];
+        let mut slot_ids = vec![IDLE; b];
+        let mut words = vec![0u32; b * 8];
+        let mut recent = vec![0u32; b * RECENT_TOKENS];
+        for (i, r) in rows.iter().enumerate() {
+            let h = &self.history[r.slot];
+            tokens[i] = r.token;
+            positions[i] = h.len() as u32;
+            slot_ids[i] = r.slot as u32;
+            let rc = recent_of(h, &[r.token]);
+            recent[i * RECENT_TOKENS..i * RECENT_TOKENS + rc.len()].copy_from_slice(&rc);
+            words[i * 8..i * 8 + 8].copy_from_slice(&r.sampling.words(r.step, rc.len() as u32));
+        }
+        let step = StepInputs {
+            tokens: &tokens,
+            positions: &positions,
+            slot_ids: &slot_ids,
+            row_sampling: if sample { &words } else { &[] },
+            row_recent: if sample { &recent } else { &[] },
+            ..Default::default()
+        };
+        let mut out = self.exec.run(key, &c, &step, logits).map_err(Error::Device)?;
+        if out.tokens.len() != b {
+            return Err(Error::Device(format!("a decode step of {b} rows returned {} tokens", out.tokens.len())));
+        }
+        out.tokens.truncate(rows.len());
+        for r in rows {
+            self.history[r.slot].push(r.token);
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a sequence's tokens go through the sampler (else the argmax is its token).
+fn needs_sampler(s: &SampleParams) -> bool {
+    !s.is_greedy()
+}
+
+/// The recent ids of a step (the repetition penalty's window): the last of `history` and
+/// `fed` together.
+fn recent_of(history: &[u32], fed: &[u32]) -> Vec<u32> {
+    let mut r: Vec<u32> = history.iter().chain(fed).rev().take(RECENT_TOKENS).cloned().collect();
+    r.reverse();
+    r
+}

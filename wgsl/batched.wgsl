@@ -1,0 +1,159 @@
+// A batch of sequences over one KV cache of N sequence slots `[N, S, nkv, D]` (each sequence its
+// own ring of S position slots): the cache write and the attention of rows that each belong to
+// a sequence slot (`slot[t]`; a slot >= N marks an idle row). Each row's arithmetic depends on
+// its own inputs only, whatever the other rows hold or how many there are.
+//
+// KV_WRITE: cache[slot[t], pos[t] % S] = x[t] (rows of nkv * D floats). One invocation per
+// element. Bindings: 0 params, 1 x, 2 pos, 3 slot, 4 cache.
+//
+// ATTENTION: one workgroup per (query head, row); query t attends to the positions
+// max(0, pos[t] + 1 - window) ..= pos[t] of its sequence slot, in blocks of WG keys with an
+// online softmax. Idle rows get zeros. Bindings: 0 params, 1 q, 2 pos, 3 slot, 4 k, 5 v, 6 out.
+//
+// Prelude consts: WG (a power of two, at most 256), MAXD (dims per invocation: D <= WG * MAXD).
+// Flags: KV_WRITE, ATTENTION.
+
+struct Params {
+    T: u32,
+    nq: u32,
+    nkv: u32,
+    D: u32,
+    S: u32,
+    N: u32,
+    // positions a query sees back to its own, itself included (0: all)
+    window: u32,
+    scale: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read> pos: array<u32>;
+@group(0) @binding(3) var<storage, read> slot: array<u32>;
+
+//#if KV_WRITE
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(4) var<storage, read_write> cache: array<f32>;
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let row = p.nkv * p.D;
+    let total = p.T * row;
+    let stride = nwg.x * WG;
+    for (var idx = gid.x + gid.y * stride; idx < total; idx += stride * nwg.y) {
+        let t = idx / row;
+        let j = idx % row;
+        let s = slot[t];
+        if s < p.N {
+            cache[(s * p.S + pos[t] % p.S) * row + j] = x[idx];
+        }
+    }
+}
+//#endif
+
+//#if ATTENTION
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(4) var<storage, read> kc: array<f32>;
+@group(0) @binding(5) var<storage, read> vc: array<f32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+
+var<workgroup> qs: array<f32, WG * MAXD>;
+var<workgroup> pr: array<f32, WG>;
+var<workgroup> red: array<f32, WG>;
+var<workgroup> wu: array<u32, 2>;
+
+// The sum (or maximum) of `red` over the workgroup.
+fn reduce(lid: u32, v: f32, is_max: bool) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w = w / 2u) {
+        if lid < w {
+            let o = red[lid + w];
+            red[lid] = select(red[lid] + o, max(red[lid], o), is_max);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x;
+    let t = wid.y;
+    let D = p.D;
+    let obase = (t * p.nq + h) * D;
+    // the row's slot and last position, uniform across the workgroup
+    if lid == 0u {
+        wu[0] = slot[t];
+        wu[1] = pos[t];
+    }
+    let s = workgroupUniformLoad(&wu[0]);
+    let last = workgroupUniformLoad(&wu[1]);
+    if s >= p.N {
+        for (var d = lid; d < D; d += WG) {
+            out[obase + d] = 0.0;
+        }
+        return;
+    }
+    for (var d = lid; d < D; d += WG) {
+        qs[d] = q[obase + d];
+    }
+    workgroupBarrier();
+    let kh = h / (p.nq / p.nkv);
+    var lo = 0u;
+    if p.window > 0u && last + 1u > p.window {
+        lo = last + 1u - p.window;
+    }
+    let neg = bitcast<f32>(0xff800000u);
+    var m = neg;
+    var l = 0.0;
+    var acc: array<f32, MAXD>;
+    for (var i = 0u; i < MAXD; i++) {
+        acc[i] = 0.0;
+    }
+    for (var base = lo; base <= last; base += WG) {
+        let j = base + lid;
+        var sc = neg;
+        if j <= last {
+            let kb = ((s * p.S + j % p.S) * p.nkv + kh) * D;
+            var dot = 0.0;
+            for (var d = 0u; d < D; d++) {
+                dot += qs[d] * kc[kb + d];
+            }
+            sc = dot * p.scale;
+        }
+        let bm = reduce(lid, sc, true);
+        let nm = max(m, bm);
+        let corr = select(exp(m - nm), 0.0, m == neg);
+        var e = 0.0;
+        if j <= last {
+            e = exp(sc - nm);
+        }
+        pr[lid] = e;
+        let bs = reduce(lid, e, false);
+        l = l * corr + bs;
+        let cnt = min(WG, last + 1u - base);
+        for (var i = 0u; i < MAXD; i++) {
+            let d = lid + i * WG;
+            if d < D {
+                var a = acc[i] * corr;
+                for (var jj = 0u; jj < cnt; jj++) {
+                    a += pr[jj] * vc[((s * p.S + (base + jj) % p.S) * p.nkv + kh) * D + d];
+                }
+                acc[i] = a;
+            }
+        }
+        m = nm;
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < MAXD; i++) {
+        let d = lid + i * WG;
+        if d < D {
+            out[obase + d] = acc[i] / l;
+        }
+    }
+}
+//#endif
