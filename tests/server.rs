@@ -391,17 +391,7 @@ fn gpu_streams_match_alone_and_admission_and_disconnects_work() {
     let s = Server::start(&["--backend", &backend, "--parallel", "2", "--max-queue", "0", "--ctx-size", "512"]);
     let req = |i: u32| json!({"prompt": [2, 5 + i, 9, 11 + i], "max_tokens": 6, "temperature": 0, "ignore_eos": true});
     let alone: Vec<Value> = (0..2).map(|i| s.post("/v1/completions", &req(i)).1).collect();
-    let addr = s.addr;
-    let together: Vec<Value> = (0..2)
-        .map(|i| std::thread::spawn(move || http(addr, "POST", "/v1/completions", &[], req(i).to_string().as_bytes())))
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|h| {
-            let (code, _, body) = h.join().unwrap();
-            assert_eq!(code, 200, "{body}");
-            serde_json::from_str(&body).unwrap()
-        })
-        .collect();
+    let together = completions_at_once(&s, (0..2).map(req).collect());
     for (a, t) in alone.iter().zip(&together) {
         assert_eq!(a["usage"]["completion_tokens"], 6, "{a}");
         assert_eq!(a["choices"][0]["text"], t["choices"][0]["text"], "concurrent output differs from alone");
@@ -456,17 +446,7 @@ fn gpu_sixteen_concurrent_requests_match_alone() {
         json!({"prompt": prompt, "max_tokens": 12, "temperature": temperature, "seed": 100 + i, "ignore_eos": true})
     };
     let alone: Vec<Value> = (0..16).map(|i| s.post("/v1/completions", &req(i)).1).collect();
-    let addr = s.addr;
-    let together: Vec<Value> = (0..16)
-        .map(|i| std::thread::spawn(move || http(addr, "POST", "/v1/completions", &[], req(i).to_string().as_bytes())))
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|h| {
-            let (code, _, body) = h.join().unwrap();
-            assert_eq!(code, 200, "{body}");
-            serde_json::from_str(&body).unwrap()
-        })
-        .collect();
+    let together = completions_at_once(&s, (0..16).map(req).collect());
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a["usage"]["completion_tokens"], 12, "{a}");
         assert_eq!(a["choices"][0]["text"], t["choices"][0]["text"], "request {i}: concurrent output differs from alone");
@@ -746,4 +726,18 @@ impl Drop for KillOnDrop {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Posts each body to `/v1/completions` at once, one thread each; the responses (each a 200), in order.
+fn completions_at_once(s: &Server, bodies: Vec<Value>) -> Vec<Value> {
+    let addr = s.addr;
+    let handles: Vec<_> = bodies.into_iter().map(|b| std::thread::spawn(move || http(addr, "POST", "/v1/completions", &[], b.to_string().as_bytes()))).collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            let (code, _, body) = h.join().unwrap();
+            assert_eq!(code, 200, "{body}");
+            serde_json::from_str(&body).unwrap()
+        })
+        .collect()
 }
