@@ -18,7 +18,7 @@ use kernel_data::*;
 use markbase::cpu::ops as cpu;
 use markbase::gpu::device::Gpu;
 use markbase::gpu::kernels::{all_formats, KernelOptions, KernelSpec, Kernels, MatMulDims};
-use markbase::gpu::ops::gemm_f16::{self, CoopMode};
+use markbase::gpu::ops::gemm_f16::{self, CoopMode, Hilo};
 use markbase::gpu::weights::{upload_weight, GpuFormat};
 use markbase::graph::quant::FloatType;
 use rand::rngs::StdRng;
@@ -28,6 +28,12 @@ use rand::Rng;
 const BOUND: f32 = 1.2e-3;
 /// Inputs as hi + lo f16 pairs: about f32 precision (the FMA twin on lavapipe: 8.5e-7 at most).
 const HILO_BOUND: f32 = 4e-6;
+/// Activations as hi + lo, weights as one f16: half of [`BOUND`]'s rounding.
+const HILO_X_BOUND: f32 = 6e-4;
+
+/// The kernel variants checked: (split, results per subgroup along the tokens, vec4 buffers);
+/// those whose workgroup memory exceeds the adapter's are left out.
+const VARIANTS: [(Hilo, u8, bool); 4] = [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true), (Hilo::Both, 2, true)];
 
 fn kernels(gpu: &Gpu) -> Vec<(&'static str, Kernels, bool)> {
     let opts = |coop| KernelOptions { coop, ..KernelOptions::for_gpu(gpu) };
@@ -62,42 +68,56 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
     let mut mag = vec![0f32; t * n];
     cpu::matmul(&ax, &aw, k, n, &mut mag);
     let xb = gpu.upload_f32("x", &x);
-    for ((label, kk, coop), hilo) in ks.iter().flat_map(|k| [(k, true), (k, false)]) {
+    for (label, kk, coop) in ks {
         let chosen = kk.matmul_rows(fmt, k, n, t, false).unwrap();
-        if n * k >= markbase::gpu::ops::gemm_f16::min_weight() {
-            assert_eq!(chosen.spec, KernelSpec::GemmF16 { fmt, coop: *coop, xvec: k % 4 == 0, hilo: true }, "{label}: the f16 GEMM is chosen");
+        if n * k >= gemm_f16::min_weight() {
+            assert!(
+                matches!(chosen.spec, KernelSpec::GemmF16 { fmt: f, coop: c, hilo: h, .. } if f == fmt && c == *coop && h == gemm_f16::hilo(fmt)),
+                "{label}: the f16 GEMM is chosen, not {:?}",
+                chosen.spec
+            );
         } else {
             assert!(matches!(chosen.spec, KernelSpec::Gemm { .. }), "{label}: a small weight takes the f32 GEMM, not {:?}", chosen.spec);
         }
-        let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, xvec: k % 4 == 0, hilo }).unwrap();
-        let bound = if hilo { HILO_BOUND } else { BOUND };
-        let y = gpu.storage("y", (t * n * 4) as u64);
-        gpu.queue.write_buffer(&y, 0, &vec![0xffu8; t * n * 4]);
-        let scales = gpu.storage("scales", (t * 4) as u64);
-        let rk = kk.row_scale().unwrap();
-        let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
-        let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
-        let rbg = rk.bind_buffers(&gpu.device, &[(0, &params[0]), (1, &xb), (7, &scales)]);
-        let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &xb, &y, &scales, &gw, c)).collect();
-        run(gpu, |pass| {
-            rk.dispatch(pass, &rbg, gemm_f16::row_scale_groups(t, 65535));
-            for (c, d) in dims.iter().enumerate() {
-                mm.dispatch(pass, &bgs[c], d);
+        for (hilo, mt, vs) in VARIANTS {
+            if gemm_f16::smem_bytes(*coop, hilo, mt) > gpu.limits().max_compute_workgroup_storage_size {
+                continue;
             }
-        });
-        let got = gpu.read_f32(&y, t * n).unwrap();
-        let what = format!("gemm_f16 {} [{label} hilo={hilo}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
-        let mut worst = (0usize, 0f32);
-        for i in 0..t * n {
-            let e = (got[i] - want[i]).abs();
-            let e = if e.is_finite() { e / mag[i].max(1e-30) } else { f32::INFINITY };
-            if e > worst.1 {
-                worst = (i, e);
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, hilo, mt, vs }).unwrap();
+            let bound = match hilo {
+                Hilo::Both => HILO_BOUND,
+                Hilo::X => HILO_X_BOUND,
+                Hilo::Off => BOUND,
+            };
+            let y = gpu.storage("y", (t * n * 4) as u64);
+            gpu.queue.write_buffer(&y, 0, &vec![0xffu8; t * n * 4]);
+            let scales = gpu.storage("scales", (t * 4) as u64);
+            let x16 = gpu.storage("x16", gemm_f16::x16_bytes(t, k, hilo));
+            let rk = kk.row_scale(&mm, k).unwrap();
+            let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
+            let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
+            let rbg = rk.bind_buffers(&gpu.device, &[(0, &params[0]), (1, &xb), (5, &x16), (7, &scales)]);
+            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, &gw, c)).collect();
+            run(gpu, |pass| {
+                rk.dispatch(pass, &rbg, gemm_f16::row_scale_groups(t, 65535));
+                for (c, d) in dims.iter().enumerate() {
+                    mm.dispatch(pass, &bgs[c], d);
+                }
+            });
+            let got = gpu.read_f32(&y, t * n).unwrap();
+            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
+            let mut worst = (0usize, 0f32);
+            for i in 0..t * n {
+                let e = (got[i] - want[i]).abs();
+                let e = if e.is_finite() { e / mag[i].max(1e-30) } else { f32::INFINITY };
+                if e > worst.1 {
+                    worst = (i, e);
+                }
             }
+            let i = worst.0;
+            println!("{what}: worst error {:.2e} of sum|x||w|", worst.1);
+            assert!(worst.1 <= bound, "{what}: at token {} row {}: gpu {} cpu {} (sum|x||w| {}), {:.2e} of it", i / n, i % n, got[i], want[i], mag[i], worst.1);
         }
-        let i = worst.0;
-        println!("{what}: worst error {:.2e} of sum|x||w|", worst.1);
-        assert!(worst.1 <= bound, "{what}: at token {} row {}: gpu {} cpu {} (sum|x||w| {}), {:.2e} of it", i / n, i % n, got[i], want[i], mag[i], worst.1);
     }
 }
 
@@ -133,4 +153,85 @@ fn gemm_f16_several_tiles_and_huge_activations() {
     case(&gpu, &ks, &mut r, GpuFormat::Mxfp4, 64, 256, 9, 1, &[1e6, 40000.0, 65504.0]);
     // a weight as large as the f16 GEMM's threshold: chosen where it is on
     case(&gpu, &ks, &mut r, q4, 2048, 2048, 9, 1, &[1.0]);
+}
+
+/// Prefill GEMM throughput: `cargo test --release --test gemm_f16 -- --ignored throughput --nocapture`.
+/// Gemma 3 12B's prefill shapes (`[N, K]` of q, k/v, o, gate/up, down; affine 4-bit g64) at
+/// `MARKBASE_BENCH_T` tokens (default 512): the f32 GEMM and every f16 variant that fits the
+/// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs` items, e.g. `both:2:0,x:4:1`), each GEMM
+/// with its activations' pass, timed as one pass of `MARKBASE_BENCH_LAYERS` dispatch pairs
+/// (timestamps where the adapter has them), median of `MARKBASE_BENCH_ITERS`; TFLOP/s of
+/// 2 T N K.
+#[test]
+#[ignore]
+fn throughput() {
+    let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
+    println!("adapter: {}", gpu.info.summary());
+    let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let t = envu("MARKBASE_BENCH_T", 512);
+    let layers = envu("MARKBASE_BENCH_LAYERS", 8);
+    let iters = envu("MARKBASE_BENCH_ITERS", 5);
+    let variants: Vec<(Hilo, u8, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
+        Ok(v) => v
+            .split(',')
+            .map(|s| {
+                let f: Vec<&str> = s.split(':').collect();
+                let h = match f[0] {
+                    "both" => Hilo::Both,
+                    "x" => Hilo::X,
+                    _ => Hilo::Off,
+                };
+                (h, f[1].parse().unwrap(), f[2] == "1")
+            })
+            .collect(),
+        Err(_) => vec![(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::X, 2, false), (Hilo::Off, 4, false), (Hilo::X, 4, true), (Hilo::Both, 2, true)],
+    };
+    let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
+    let mut r = rng("gemm_f16_throughput");
+    let coop = if gpu.info.coop_f16_16 { CoopMode::Tensor } else { CoopMode::Fma };
+    let opts = |coop| KernelOptions { coop, ..KernelOptions::for_gpu(&gpu) };
+    let kf16 = Kernels::new(&gpu, opts(coop)).unwrap();
+    let kf32 = Kernels::new(&gpu, opts(CoopMode::Off)).unwrap();
+    for (n, k) in [(4096, 3840), (2048, 3840), (3840, 4096), (15360, 3840), (3840, 15360)] {
+        let wd = random_weight(&mut r, fmt, &[n, k]);
+        let ws: Vec<_> = (0..layers).map(|_| upload_weight(&gpu, &wd, None).unwrap()).collect();
+        let x = gpu.upload_f32("x", &randn(&mut r, t * k, 1.0));
+        let y = gpu.storage("y", (t * n * 4) as u64);
+        let flop = 2.0 * (t * n * k) as f64;
+        // the f32 GEMM
+        let mm = kf32.matmul_rows(fmt, k, n, t, false).unwrap();
+        let d = MatMulDims::plain(&ws[0], 0, t);
+        let pb = gpu.uniform("p", &mm.params(&d));
+        let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group(&gpu.device, &pb, &x, &y, None, w, 0)).collect();
+        let sec = median_pass_seconds(&gpu, iters, |pass| bgs.iter().for_each(|bg| mm.dispatch(pass, bg, &d))) / layers as f64;
+        println!("BENCH gemm T={t} N={n} K={k} {}: {:.1} us, {:.1} TFLOP/s", mm.kernel.name, sec * 1e6, flop / sec / 1e12);
+        for &(hilo, mt, vs) in &variants {
+            if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt) > gpu.limits().max_compute_workgroup_storage_size {
+                continue;
+            }
+            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, hilo, mt, vs }).unwrap();
+            let scales = gpu.storage("scales", (t * 4) as u64);
+            let x16 = gpu.storage("x16", gemm_f16::x16_bytes(t, k, hilo));
+            let rk = kf16.row_scale(&mm, k).unwrap();
+            let pb = gpu.uniform("p", &mm.params(&d));
+            let rbg = rk.bind_buffers(&gpu.device, &[(0, &pb), (1, &x), (5, &x16), (7, &scales)]);
+            let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, w, 0)).collect();
+            let rg = gemm_f16::row_scale_groups(t, 65535);
+            let both = median_pass_seconds(&gpu, iters, |pass| {
+                for bg in &bgs {
+                    rk.dispatch(pass, &rbg, rg);
+                    mm.dispatch(pass, bg, &d);
+                }
+            }) / layers as f64;
+            let gemm = median_pass_seconds(&gpu, iters, |pass| bgs.iter().for_each(|bg| mm.dispatch(pass, bg, &d))) / layers as f64;
+            println!(
+                "BENCH gemm T={t} N={n} K={k} {}: {:.1} us ({:.1} with the activations' pass), {:.1} TFLOP/s ({:.1})",
+                mm.kernel.name,
+                gemm * 1e6,
+                both * 1e6,
+                flop / gemm / 1e12,
+                flop / both / 1e12
+            );
+        }
+    }
 }

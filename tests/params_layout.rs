@@ -104,7 +104,7 @@ fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
         | KernelSpec::Gemm { .. }
         | KernelSpec::GroupedGemm { .. }
         | KernelSpec::GemmF16 { .. }
-        | KernelSpec::RowScale => {
+        | KernelSpec::RowScale { .. } => {
             vec![(0, rust::<MatMulParams>())]
         }
         KernelSpec::Embed { .. } => vec![(0, rust::<EmbedParams>())],

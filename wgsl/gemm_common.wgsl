@@ -1,6 +1,7 @@
-// What the tiled GEMMs share (gemm.wgsl, gemm_coop.wgsl and its row scales, row_scale.wgsl):
-// the matmul params (MatMulParams; gemv.wgsl's members unread here), x at binding 1 (in vec4s
-// with XVEC) and the loads of its elements.
+// What the tiled GEMMs share (gemm.wgsl, gemm_coop.wgsl and its activations' pass,
+// row_scale.wgsl): the matmul params (MatMulParams; gemv.wgsl's members unread here), x at
+// binding 1 (in vec4s with XVEC; with X16, gemm_coop.wgsl's f16 activations instead) and the
+// loads of its elements.
 
 struct Params {
     T: u32,
@@ -22,6 +23,27 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
+
+// The f16 activations' padded shape: tokens to a multiple of 128 (any tile's), K to one of 32
+// (a step's).
+fn t_pad(T: u32) -> u32 {
+    return (T + 127u) & ~127u;
+}
+
+fn k_pad(K: u32) -> u32 {
+    return (K + 31u) & ~31u;
+}
+
+// f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler
+// can fold a round trip through f16 away (one did: the lo parts came out zero).
+fn hi4(v: vec4<f32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
+}
+
+//#if X16
+// x / s as f16 (row_scale.wgsl): [TP][KP] hi parts, then (HILO_X) [TP][KP] lo parts
+@group(0) @binding(1) var<storage, read> x16: array<vec4<f16>>;
+//#else
 //#if XVEC
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 //#else
@@ -44,4 +66,4 @@ fn load_x4(xr: u32, k0: u32, q: u32, K: u32, ok: bool) -> vec4<f32> {
     }
     return v;
 }
-
+//#endif

@@ -6,48 +6,69 @@
 // results that a subgroup of 32 would), so that adapters without cooperative matrices (and CI's
 // software rasterizer) run and check everything but the products themselves.
 //
-// A workgroup of 256 invocations (8 groups of 32, a subgroup each under COOP) computes a tile of
-// 64 tokens x 128 rows; group g takes tokens 32 (g / 4) .. + 32 and rows 32 (g % 4) .. + 32 as
-// 2 x 2 results of 16 x 16. K advances 16 at a time through two workgroup-memory buffers: while
-// the products of one step run, the next step's weight words and activations are in flight; they
-// are decoded, scaled to f16 and stored into the other buffer after the products (one barrier per
-// step, as gemm.wgsl).
+// The activations come as f16 already (x16, binding 1: x / s, its hi and with HILO_X its lo
+// parts, padded; written by row_scale.wgsl with the per-token scales s, binding 7), so that a
+// tile of them is a copy. A workgroup of 256 invocations (8 groups of 32, a subgroup each under
+// COOP) computes a tile of BT = 32 MT tokens x 128 rows; group g takes tokens 16 MT (g / 4) ..
+// + 16 MT and rows 32 (g % 4) .. + 32 as MT x 2 results of 16 x 16. K advances 32 at a time
+// through one workgroup-memory buffer per input: while the products of one step run, the next
+// step's weight words and activations are in flight in registers; they are decoded (weights),
+// converted and stored after the products (two barriers per step).
 //
-// HILO: each f32 value v is staged as two f16, hi (v rounded to 11 significant bits) and
-// lo = f16(v - hi), and each product
-// as hi*hi + hi*lo + lo*hi (three products instead of one): about 22 bits of each input instead
-// of 11, so that a whole model's logits stay within 1e-3 of f32's (one f16 rounding per input
-// moves a small model's logits by up to 8e-3 of their largest).
+// Precision: x / s rounded to f16 alone moves a small model's logits by up to 8e-3 of their
+// largest, W rounded to f16 alone by about as much. HILO_X adds the products of x's lo parts,
+// HILO_W those of W's (hi = the value rounded to 11 significant bits, lo = f16(value - hi)):
+// each about doubles the bits of its input.
 //
-// Scaling: s[t] (binding 7, written by row_scale.wgsl) is a power of two that brings the token's
-// largest |x| to at most 2^15, so that x / s fits f16 (max 65504) exactly up to f16 rounding;
-// Gemma's activations reach 1e5 and more. Weights are decoded to f16 (|W| far below 65504).
-// Accumulation and the epilogue (times s[t] and the weight's global scale) are f32.
+// Scaling: Gemma's activations reach 1e5 and more; x / s is at most 2^15 (f16's max is 65504).
+// Weights are decoded to f16 (|W| far below 65504). Accumulation and the epilogue (times s[t] and
+// the weight's global scale) are f32.
 //
-// Bindings: 0 params (gemm.wgsl's), 1 x, 2 y, 7 row scales, 8.. weights.
+// VS: the workgroup buffers hold vec4<f16> (four-element stores; cooperative loads by vec4)
+// instead of f16.
+//
+// Bindings: 0 params (gemm.wgsl's), 1 x16, 2 y, 7 row scales, 8.. weights.
 enable f16;
 //#if COOP
 enable wgpu_cooperative_matrix;
 //#endif
 
-// Params, x (binding 1) and load_x4: gemm_common.wgsl.
+// Params, x16 (binding 1), t_pad, k_pad, hi4: gemm_common.wgsl (X16).
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(7) var<storage, read> rs: array<f32>;
 
-const BT: u32 = 64u;   // tokens per tile
-const BN: u32 = 128u;  // rows per tile
-const BK: u32 = 16u;   // K per step
-// f16 elements per staged row (COOP: padded by 8, so that rows start on distinct banks)
+const BT: u32 = 32u * MT;  // tokens per tile
+const BN: u32 = 128u;      // rows per tile
+const BK: u32 = 32u;       // K per step
+// f16 elements per staged row (COOP: padded by 8, so that a 16 x 16 load meets no bank twice)
 const LDS: u32 = BK + PAD;
-const XS: u32 = BT * LDS;  // one activation buffer: [token][k]
-const WS: u32 = BN * LDS;  // one weight buffer: [row][k]
+const XS: u32 = BT * LDS;  // the activation buffer: [token][k]
+const WS: u32 = BN * LDS;  // the weight buffer: [row][k]
+// vec4s of one token's step (8) that each loading invocation copies, and invocations per token
+const XPT: u32 = MT;
+const TPR: u32 = 8u / XPT;
 
-var<workgroup> xs: array<f16, 2u * XS>;
-var<workgroup> ws: array<f16, 2u * WS>;
-//#if HILO
-var<workgroup> xl: array<f16, 2u * XS>;
-var<workgroup> wl: array<f16, 2u * WS>;
+//#if VS
+var<workgroup> xs: array<vec4<f16>, XS / 4u>;
+var<workgroup> ws: array<vec4<f16>, WS / 4u>;
+//#if HILO_X
+var<workgroup> xl: array<vec4<f16>, XS / 4u>;
 //#endif
+//#if HILO_W
+var<workgroup> wl: array<vec4<f16>, WS / 4u>;
+//#endif
+//#else
+var<workgroup> xs: array<f16, XS>;
+var<workgroup> ws: array<f16, WS>;
+//#if HILO_X
+var<workgroup> xl: array<f16, XS>;
+//#endif
+//#if HILO_W
+var<workgroup> wl: array<f16, WS>;
+//#endif
+//#endif
+
+//#if COOP
 // each group's 16 x 16 result on its way out: [token][row]
 var<workgroup> cs: array<f32, 2048u>;
 
@@ -67,12 +88,44 @@ fn write_out(g: u32, l: u32, t0: u32, r0: u32, gsc: f32) {
         }
     }
 }
-
-// f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler
-// can fold a round trip through f16 away (one did: the lo parts came out zero).
-fn hi4(v: vec4<f32>) -> vec4<f32> {
-    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
+//#else
+// The twin's staged elements, by f16 index.
+fn xs_at(i: u32) -> f32 {
+//#if VS
+    return f32(xs[i >> 2u][i & 3u]);
+//#else
+    return f32(xs[i]);
+//#endif
 }
+
+fn ws_at(i: u32) -> f32 {
+//#if VS
+    return f32(ws[i >> 2u][i & 3u]);
+//#else
+    return f32(ws[i]);
+//#endif
+}
+
+//#if HILO_X
+fn xl_at(i: u32) -> f32 {
+//#if VS
+    return f32(xl[i >> 2u][i & 3u]);
+//#else
+    return f32(xl[i]);
+//#endif
+}
+//#endif
+
+//#if HILO_W
+fn wl_at(i: u32) -> f32 {
+//#if VS
+    return f32(wl[i >> 2u][i & 3u]);
+//#else
+    return f32(wl[i]);
+//#endif
+}
+//#endif
+//#endif
 
 @compute @workgroup_size(256)
 fn main(
@@ -81,136 +134,191 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let K = p.K;
+    let kq = k_pad(K) / 4u;         // vec4s per x16 row
+    let lo_off = t_pad(p.T) * kq;   // where x16's lo parts begin
     let g = lid / 32u;      // group: a subgroup under COOP
     let l = lid % 32u;      // lane in the group
-    let gt = 32u * (g / 4u);  // the group's first token in the tile
-    let gn = 32u * (g % 4u);  // its first row
-    // activation loader: token lt, elements 4lq..4lq+3 of the step
-    let lt = lid / 4u;
-    let lq = lid % 4u;
-    // weight loader: row lr, octet lo of the step's two
+    let gt = 16u * MT * (g / 4u);  // the group's first token in the tile
+    let gn = 32u * (g % 4u);       // its first row
+    // activation loader: token lt, vec4s lq .. lq + XPT of the step's eight
+    let lt = lid / TPR;
+    let lq = (lid % TPR) * XPT;
+    // weight loader: row lr, octets 2 lo and 2 lo + 1 of the step's four
     let lr = lid / 2u;
     let lo = lid % 2u;
-    let nsteps = (K + BK - 1u) / BK;
+    let nsteps = k_pad(K) / BK;
     let ntt = (p.T + BT - 1u) / BT;
     let nrt = (p.rows + BN - 1u) / BN;
     let gsc = w_global(0u);
     for (var ty = wid.y; ty < ntt; ty += nwg.y) {
         let t0 = ty * BT;
-        let lvalid = t0 + lt < p.T;
-        let xr = t0 + lt;
-        var inv = 1.0;
-        if lvalid {
-            inv = 1.0 / rs[xr];
-        }
+        let xr = (t0 + lt) * kq + lq;   // x16 index of the loader's first vec4 (step 0)
         for (var rx = wid.x; rx < nrt; rx += nwg.x) {
             let r0 = rx * BN;
             let wr = r0 + lr;
             let wload = wr < p.rows;
-            var rw = ROct(vec4<u32>(0u), vec4<u32>(0u));
+            var rw0 = ROct(vec4<u32>(0u), vec4<u32>(0u));
+            var rw1 = ROct(vec4<u32>(0u), vec4<u32>(0u));
             if wload {
-                rw = oct_raw(wr, lo, K);
+                rw0 = oct_raw(wr, 2u * lo, K);
+                rw1 = oct_raw(wr, 2u * lo + 1u, K);
             }
-            var rx4 = load_x4(xr, 0u, lq, K, lvalid);
+            var rxh: array<vec4<f16>, 4>;
+            var rxl: array<vec4<f16>, 4>;
+            for (var j = 0u; j < XPT; j++) {
+                rxh[j] = x16[xr + j];
+//#if HILO_X
+                rxl[j] = x16[lo_off + xr + j];
+//#endif
+            }
 //#if COOP
-            var c00 = coop_mat16x16<f32, C>();
-            var c01 = coop_mat16x16<f32, C>();
-            var c10 = coop_mat16x16<f32, C>();
-            var c11 = coop_mat16x16<f32, C>();
+//#repeat MT a
+//#repeat 2 b
+            var c$a$b = coop_mat16x16<f32, C>();
+//#endrepeat
+//#endrepeat
 //#else
             // results (a, b): token gt + 16a + l / 2, rows gn + 16b + 8 (l % 2) + j at 8 (2a + b) + j
-            var acc: array<f32, 32>;
-            for (var j = 0u; j < 32u; j++) {
+            var acc: array<f32, 16u * MT>;
+            for (var j = 0u; j < 16u * MT; j++) {
                 acc[j] = 0.0;
             }
 //#endif
-            // the previous tile's last reads of the buffers are done
-            workgroupBarrier();
             for (var s = 0u; s < nsteps; s++) {
-                let cur = s & 1u;
+                // the previous step's (or tile's) reads of the buffers are done
+                workgroupBarrier();
                 // store step s (loaded during step s - 1's products)
                 {
-                    let xb = cur * XS + lt * LDS + 4u * lq;
-                    let xv = rx4 * inv;
-                    let d = oct_dec(rw, wr, s * 2u + lo, K);
-                    let wb = cur * WS + lr * LDS + 8u * lo;
-//#if HILO
-                    let xh = hi4(xv);
-                    let wha = hi4(d.a);
-                    let whb = hi4(d.b);
-                    let xlo = vec4<f16>(xv - xh);
-                    let wla = vec4<f16>(d.a - wha);
-                    let wlb = vec4<f16>(d.b - whb);
-                    for (var j = 0u; j < 4u; j++) {
-                        xl[xb + j] = xlo[j];
-                        wl[wb + j] = wla[j];
-                        wl[wb + 4u + j] = wlb[j];
-                    }
+                    let xb = lt * LDS + 4u * lq;
+                    let wb = lr * LDS + 16u * lo;
+                    for (var h = 0u; h < 2u; h++) {
+                        var d: Oct;
+                        if h == 0u {
+                            d = oct_dec(rw0, wr, s * 4u + 2u * lo, K);
+                        } else {
+                            d = oct_dec(rw1, wr, s * 4u + 2u * lo + 1u, K);
+                        }
+//#if HILO_W
+                        let wha = hi4(d.a);
+                        let whb = hi4(d.b);
+                        let wla = vec4<f16>(d.a - wha);
+                        let wlb = vec4<f16>(d.b - whb);
 //#else
-                    let xh = xv;
-                    let wha = d.a;
-                    let whb = d.b;
+                        let wha = d.a;
+                        let whb = d.b;
 //#endif
-                    for (var j = 0u; j < 4u; j++) {
-                        xs[xb + j] = f16(xh[j]);
-                        ws[wb + j] = f16(wha[j]);
-                        ws[wb + 4u + j] = f16(whb[j]);
+                        let wa = vec4<f16>(wha);
+                        let wbv = vec4<f16>(whb);
+                        let o = wb + 8u * h;
+//#if VS
+                        ws[o / 4u] = wa;
+                        ws[o / 4u + 1u] = wbv;
+//#if HILO_W
+                        wl[o / 4u] = wla;
+                        wl[o / 4u + 1u] = wlb;
+//#endif
+//#else
+                        for (var e = 0u; e < 4u; e++) {
+                            ws[o + e] = wa[e];
+                            ws[o + 4u + e] = wbv[e];
+//#if HILO_W
+                            wl[o + e] = wla[e];
+                            wl[o + 4u + e] = wlb[e];
+//#endif
+                        }
+//#endif
+                    }
+                    for (var j = 0u; j < XPT; j++) {
+//#if VS
+                        xs[xb / 4u + j] = rxh[j];
+//#if HILO_X
+                        xl[xb / 4u + j] = rxl[j];
+//#endif
+//#else
+                        for (var e = 0u; e < 4u; e++) {
+                            xs[xb + 4u * j + e] = rxh[j][e];
+//#if HILO_X
+                            xl[xb + 4u * j + e] = rxl[j][e];
+//#endif
+                        }
+//#endif
                     }
                 }
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
                 if s + 1u < nsteps {
                     if wload {
-                        rw = oct_raw(wr, (s + 1u) * 2u + lo, K);
+                        rw0 = oct_raw(wr, (s + 1u) * 4u + 2u * lo, K);
+                        rw1 = oct_raw(wr, (s + 1u) * 4u + 2u * lo + 1u, K);
                     }
-                    rx4 = load_x4(xr, (s + 1u) * BK, lq, K, lvalid);
+                    for (var j = 0u; j < XPT; j++) {
+                        rxh[j] = x16[xr + 8u * (s + 1u) + j];
+//#if HILO_X
+                        rxl[j] = x16[lo_off + xr + 8u * (s + 1u) + j];
+//#endif
+                    }
                 }
 //#if COOP
-                {
-                    let lda = LDS;
-                    let ia0 = cur * XS + gt * LDS;
-                    let ia1 = ia0 + 16u * LDS;
-                    let ib0 = cur * WS + gn * LDS;
-                    let ib1 = ib0 + 16u * LDS;
-                    let a0 = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia0], lda);
-                    let a1 = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia1], lda);
-                    let b0 = coopLoad<coop_mat16x16<f16, B>>(&ws[ib0], lda);
-                    let b1 = coopLoad<coop_mat16x16<f16, B>>(&ws[ib1], lda);
-                    c00 = coopMultiplyAdd(a0, b0, c00);
-                    c01 = coopMultiplyAdd(a0, b1, c01);
-                    c10 = coopMultiplyAdd(a1, b0, c10);
-                    c11 = coopMultiplyAdd(a1, b1, c11);
-//#if HILO
-                    let al0 = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia0], lda);
-                    let al1 = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia1], lda);
-                    let bl0 = coopLoad<coop_mat16x16<f16, B>>(&wl[ib0], lda);
-                    let bl1 = coopLoad<coop_mat16x16<f16, B>>(&wl[ib1], lda);
-                    c00 = coopMultiplyAdd(a0, bl0, c00);
-                    c01 = coopMultiplyAdd(a0, bl1, c01);
-                    c10 = coopMultiplyAdd(a1, bl0, c10);
-                    c11 = coopMultiplyAdd(a1, bl1, c11);
-                    c00 = coopMultiplyAdd(al0, b0, c00);
-                    c01 = coopMultiplyAdd(al0, b1, c01);
-                    c10 = coopMultiplyAdd(al1, b0, c10);
-                    c11 = coopMultiplyAdd(al1, b1, c11);
+                for (var kk = 0u; kk < BK; kk += 16u) {
+//#if VS
+                    let ld = LDS / 4u;
+                    let ia = (gt * LDS + kk) / 4u;
+                    let ib = (gn * LDS + kk) / 4u;
+//#else
+                    let ld = LDS;
+                    let ia = gt * LDS + kk;
+                    let ib = gn * LDS + kk;
+//#endif
+//#repeat MT a
+                    let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia + 16u * $au * ld], ld);
+//#endrepeat
+//#repeat 2 b
+                    let b$b = coopLoad<coop_mat16x16<f16, B>>(&ws[ib + 16u * $bu * ld], ld);
+//#endrepeat
+//#repeat MT a
+//#repeat 2 b
+                    c$a$b = coopMultiplyAdd(a$a, b$b, c$a$b);
+//#endrepeat
+//#endrepeat
+//#if HILO_W
+//#repeat 2 b
+                    let bl$b = coopLoad<coop_mat16x16<f16, B>>(&wl[ib + 16u * $bu * ld], ld);
+//#endrepeat
+//#repeat MT a
+//#repeat 2 b
+                    c$a$b = coopMultiplyAdd(a$a, bl$b, c$a$b);
+//#endrepeat
+//#endrepeat
+//#endif
+//#if HILO_X
+//#repeat MT a
+                    let al$a = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia + 16u * $au * ld], ld);
+//#endrepeat
+//#repeat MT a
+//#repeat 2 b
+                    c$a$b = coopMultiplyAdd(al$a, b$b, c$a$b);
+//#endrepeat
+//#endrepeat
 //#endif
                 }
 //#else
                 for (var k = 0u; k < BK; k++) {
-                    for (var a = 0u; a < 2u; a++) {
-                        let ix = cur * XS + (gt + 16u * a + l / 2u) * LDS + k;
-                        let xa = f32(xs[ix]);
-//#if HILO
-                        let xla = f32(xl[ix]);
+                    for (var a = 0u; a < MT; a++) {
+                        let ix = (gt + 16u * a + l / 2u) * LDS + k;
+                        let xa = xs_at(ix);
+//#if HILO_X
+                        let xla = xl_at(ix);
 //#endif
                         for (var b = 0u; b < 2u; b++) {
-                            let wb = cur * WS + (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
+                            let wb = (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
                             for (var j = 0u; j < 8u; j++) {
                                 let q = 8u * (2u * a + b) + j;
-                                let wh = f32(ws[wb + j * LDS]);
+                                let wh = ws_at(wb + j * LDS);
                                 acc[q] = fma(xa, wh, acc[q]);
-//#if HILO
-                                acc[q] = fma(xa, f32(wl[wb + j * LDS]), acc[q]);
+//#if HILO_W
+                                acc[q] = fma(xa, wl_at(wb + j * LDS), acc[q]);
+//#endif
+//#if HILO_X
                                 acc[q] = fma(xla, wh, acc[q]);
 //#endif
                             }
@@ -219,31 +327,34 @@ fn main(
                 }
 //#endif
             }
-            // epilogue: each result through the group's 16 x 16 of cs
-            for (var a = 0u; a < 2u; a++) {
-                for (var b = 0u; b < 2u; b++) {
-                    let io = g * 256u;
+            // epilogue
 //#if COOP
-                    let st = 16u;
-                    if a == 0u && b == 0u {
-                        coopStoreT(c00, &cs[io], st);
-                    } else if a == 0u {
-                        coopStoreT(c01, &cs[io], st);
-                    } else if b == 0u {
-                        coopStoreT(c10, &cs[io], st);
-                    } else {
-                        coopStoreT(c11, &cs[io], st);
-                    }
+            // each result through the group's 16 x 16 of cs
+//#repeat MT a
+//#repeat 2 b
+            coopStoreT(c$a$b, &cs[g * 256u], 16u);
+            workgroupBarrier();
+            write_out(g, l, t0 + gt + 16u * $au, r0 + gn + 16u * $bu, gsc);
+            workgroupBarrier();
+//#endrepeat
+//#endrepeat
 //#else
-                    for (var j = 0u; j < 8u; j++) {
-                        cs[io + (l / 2u) * 16u + 8u * (l % 2u) + j] = acc[8u * (2u * a + b) + j];
+            // straight from the registers
+            for (var a = 0u; a < MT; a++) {
+                let t = t0 + gt + 16u * a + l / 2u;
+                if t < p.T {
+                    let sc = rs[t] * gsc;
+                    for (var b = 0u; b < 2u; b++) {
+                        for (var j = 0u; j < 8u; j++) {
+                            let r = r0 + gn + 16u * b + 8u * (l % 2u) + j;
+                            if r < p.rows {
+                                y[t * p.ldy + p.row_start + r] = acc[8u * (2u * a + b) + j] * sc;
+                            }
+                        }
                     }
-//#endif
-                    workgroupBarrier();
-                    write_out(g, l, t0 + gt + 16u * a, r0 + gn + 16u * b, gsc);
-                    workgroupBarrier();
                 }
             }
+//#endif
         }
     }
 }

@@ -1,11 +1,17 @@
-// Per-token scales of the f16 GEMM's activations (gemm_coop.wgsl): s[t] is the smallest power of
-// two that brings max_k |x[t, k]| to at most 2^15, or 1 where it already is (or where x holds an
-// Inf or NaN, which then reaches y as it would in f32). Powers of two keep x / s exact.
+// The f16 GEMM's activations (gemm_coop.wgsl): per-token scales and x / s in f16.
 //
-// One workgroup per token (a grid-stride loop over T). Bindings: 0 params (gemm.wgsl's: T, K),
-// 1 x, 7 s.
+// s[t] is the smallest power of two that brings max_k |x[t, k]| to at most 2^15, or 1 where it
+// already is (or where x holds an Inf or NaN, which then reaches y as it would in f32). Powers of
+// two keep x / s exact. x16 then holds x / s rounded to f16 (hi), and with HILO_X the rest,
+// f16(x / s - hi) (lo), in rows padded to t_pad(T) tokens and k_pad(K) elements with zeros, so
+// that the GEMM's tiles load them without bounds.
+//
+// One workgroup per token (a grid-stride loop over the padded tokens). Bindings: 0 params
+// (gemm.wgsl's: T, K), 1 x, 5 x16, 7 s.
+enable f16;
 
-// Params and x (binding 1): gemm_common.wgsl.
+// Params, x (binding 1), t_pad, k_pad, hi4: gemm_common.wgsl.
+@group(0) @binding(5) var<storage, read_write> x16: array<vec4<f16>>;
 @group(0) @binding(7) var<storage, read_write> s: array<f32>;
 
 var<workgroup> red: array<f32, 256>;
@@ -16,10 +22,14 @@ fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    for (var t = wid.x; t < p.T; t += nwg.x) {
+    let tp = t_pad(p.T);
+    let kq = k_pad(p.K) / 4u;
+    for (var t = wid.x; t < tp; t += nwg.x) {
+        let valid = t < p.T;
         var m = 0.0;
-        for (var k = lid; k < p.K; k += 256u) {
-            m = max(m, abs(x[t * p.K + k]));
+        for (var q = lid; q < kq; q += 256u) {
+            let v = abs(load_x4(t, 0u, q, p.K, valid));
+            m = max(m, max(max(v.x, v.y), max(v.z, v.w)));
         }
         red[lid] = m;
         workgroupBarrier();
@@ -29,18 +39,28 @@ fn main(
             }
             workgroupBarrier();
         }
-        if lid == 0u {
-            let mx = red[0];
-            var sc = 1.0;
-            if mx > 32768.0 && mx <= 3.4e38 {
-                sc = exp2(ceil(log2(mx / 32768.0)));
-                // log2's rounding: at most 2^15 after the division, whatever it gives
-                if mx / sc > 32768.0 {
-                    sc *= 2.0;
-                }
+        let mx = red[0];
+        var sc = 1.0;
+        if mx > 32768.0 && mx <= 3.4e38 {
+            sc = exp2(ceil(log2(mx / 32768.0)));
+            // log2's rounding: at most 2^15 after the division, whatever it gives
+            if mx / sc > 32768.0 {
+                sc *= 2.0;
             }
+        }
+        if lid == 0u && valid {
             s[t] = sc;
         }
+        let inv = 1.0 / sc;
+        for (var q = lid; q < kq; q += 256u) {
+            let v = load_x4(t, 0u, q, p.K, valid) * inv;
+            let h = hi4(v);
+            x16[t * kq + q] = vec4<f16>(h);
+//#if HILO_X
+            x16[(tp + t) * kq + q] = vec4<f16>(v - h);
+//#endif
+        }
+        // every invocation has read red[0]
         workgroupBarrier();
     }
 }

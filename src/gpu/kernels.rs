@@ -23,7 +23,7 @@ use markbase_graph::ops::NormScale;
 use markbase_graph::quant::FloatType;
 
 use super::device::{Backend, Gpu, GpuError};
-use super::ops::gemm_f16::CoopMode;
+use super::ops::gemm_f16::{CoopMode, Hilo};
 use super::ops::FAMILIES;
 use super::shader::{reflect_bindings, BindKind, Source};
 use super::weights::GpuFormat;
@@ -117,11 +117,13 @@ pub enum KernelSpec {
     /// The GEMM over the pairs of each expert (`Op::GroupedMatMul`).
     GroupedGemm { fmt: GpuFormat },
     /// The prefill GEMM on f16 tiles (`gemm_coop.wgsl`): `coop` on cooperative matrices, else its
-    /// FMA twin; `xvec`: K % 4 == 0; `hilo`: each input as two f16 (hi and lo), three products
-    /// each. See [`super::ops::gemm_f16`].
-    GemmF16 { fmt: GpuFormat, coop: bool, xvec: bool, hilo: bool },
-    /// The per-token scales of the f16 GEMM's activations (`row_scale.wgsl`).
-    RowScale,
+    /// FMA twin; `hilo`: which inputs go as two f16 (hi and lo); `mt`: 16 x 16 results per
+    /// subgroup along the tokens (2 or 4: tiles of 64 or 128 tokens); `vs`: workgroup buffers of
+    /// vec4<f16>. See [`super::ops::gemm_f16`].
+    GemmF16 { fmt: GpuFormat, coop: bool, hilo: Hilo, mt: u8, vs: bool },
+    /// The f16 GEMM's activations: per-token scales and x / s in f16 (`row_scale.wgsl`);
+    /// `xvec`: K % 4 == 0; `lo`: with the lo parts (`Hilo::X`, `Hilo::Both`).
+    RowScale { xvec: bool, lo: bool },
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`); `scalar`: then multiplies by a scalar weight
     /// of that dtype.

@@ -161,3 +161,54 @@ pub fn chunk_limit(fmt: GpuFormat, shape: &[usize], n: usize) -> u64 {
     (per_row * unit * units.div_ceil(n)) as u64
 }
 
+/// Two timestamp queries (start and end of a pass) and the buffer they resolve to.
+pub fn pass_timer(gpu: &Gpu) -> (wgpu::QuerySet, wgpu::Buffer) {
+    let qs = gpu.device.create_query_set(&wgpu::QuerySetDescriptor { label: None, ty: wgpu::QueryType::Timestamp, count: 2 });
+    let qbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 16,
+        usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    (qs, qbuf)
+}
+
+/// Seconds between the two resolved timestamps of [`pass_timer`].
+pub fn pass_seconds(gpu: &Gpu, qbuf: &wgpu::Buffer) -> f64 {
+    let ts = gpu.read_u32(qbuf, 4).unwrap();
+    let (t0, t1) = (ts[0] as u64 | (ts[1] as u64) << 32, ts[2] as u64 | (ts[3] as u64) << 32);
+    t1.saturating_sub(t0) as f64 * gpu.queue.get_timestamp_period() as f64 * 1e-9
+}
+
+/// Median seconds of `runs` passes recorded by `record` (after two warm-up passes): between
+/// timestamps at the pass's start and end where the adapter has them, else wall-clock time of
+/// the submission.
+pub fn median_pass_seconds(gpu: &Gpu, runs: usize, mut record: impl FnMut(&mut wgpu::ComputePass<'_>)) -> f64 {
+    let (qs, qbuf) = pass_timer(gpu);
+    let qs = gpu.info.timestamps.then_some(qs);
+    let mut times = Vec::new();
+    for it in 0..runs + 2 {
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        {
+            let tw = qs.as_ref().map(|q| wgpu::ComputePassTimestampWrites {
+                query_set: q,
+                beginning_of_pass_write_index: Some(0),
+                end_of_pass_write_index: Some(1),
+            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: tw });
+            record(&mut pass);
+        }
+        if let Some(q) = &qs {
+            enc.resolve_query_set(q, 0..2, &qbuf, 0);
+        }
+        let t0 = std::time::Instant::now();
+        gpu.queue.submit([enc.finish()]);
+        gpu.wait().unwrap();
+        let wall = t0.elapsed().as_secs_f64();
+        if it >= 2 {
+            times.push(if qs.is_some() { pass_seconds(gpu, &qbuf) } else { wall });
+        }
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times[times.len() / 2]
+}

@@ -1,25 +1,95 @@
-//! The prefill GEMM on f16 tiles (`gemm_coop.wgsl`), with the per-token scales of its activations
-//! (`row_scale.wgsl`): on cooperative matrices (tensor cores) where the adapter has them
-//! ([`CoopMode::Tensor`]), or as their twin with a plain FMA loop ([`CoopMode::Fma`], which runs
-//! everywhere f16 does: the tests' software rasterizer checks the tiling, staging, scaling and
-//! epilogue there). [`CoopMode::Off`] keeps the f32 GEMM of `gemm.wgsl`.
+//! The prefill GEMM on f16 tiles (`gemm_coop.wgsl`), with its activations' pass
+//! (`row_scale.wgsl`: per-token scales and x / s in f16): on cooperative matrices (tensor cores)
+//! where the adapter has them ([`CoopMode::Tensor`]), or as their twin with a plain FMA loop
+//! ([`CoopMode::Fma`], which runs everywhere f16 does: the tests' software rasterizer checks the
+//! tiling, staging, scaling and epilogue there). [`CoopMode::Off`] keeps the f32 GEMM of
+//! `gemm.wgsl`.
 //!
-//! A plain matmul of [`super::matmul::GEMM_MIN_T`] tokens or more runs as two dispatches: the row
-//! scales of x into a scratch buffer shared by the graph's GEMMs, then the GEMM.
+//! A plain matmul of [`super::matmul::GEMM_MIN_T`] tokens or more runs as two dispatches: the
+//! activations' pass into scratch buffers shared by the graph's GEMMs, then the GEMM.
 
 use crate::gpu::device::Gpu;
 use crate::gpu::kernels::{all_formats, div_ceil, weight_source, COMMON, KernelSpec, WEIGHTS};
 use crate::gpu::shader::Source;
+use crate::gpu::weights::GpuFormat;
+use markbase_graph::quant::FloatType;
 use super::Family;
 
 const GEMM_COMMON: &str = include_str!("../../../wgsl/gemm_common.wgsl");
 const GEMM_COOP: &str = include_str!("../../../wgsl/gemm_coop.wgsl");
 const ROW_SCALE: &str = include_str!("../../../wgsl/row_scale.wgsl");
 
-/// Whether the f16 GEMM stages each input as two f16 (hi and lo: about f32's precision, three
-/// products each); `MARKBASE_COOP_HILO=0` stages one f16 (one product, 11 bits).
-pub fn hilo() -> bool {
-    crate::gpu::kernels::env_on("MARKBASE_COOP_HILO")
+/// Which inputs of the f16 GEMM go as two f16 (hi = the value rounded to f16, lo = f16 of the
+/// rest: about twice the bits, one more product each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Hilo {
+    /// One f16 per input (11 significant bits), one product.
+    Off,
+    /// The activations as hi + lo, the weights as one f16: two products.
+    X,
+    /// Both as hi + lo: three products (hi*hi, hi*lo, lo*hi).
+    Both,
+}
+
+impl Hilo {
+    pub fn x(self) -> bool {
+        self != Hilo::Off
+    }
+    pub fn w(self) -> bool {
+        self == Hilo::Both
+    }
+}
+
+/// The split the f16 GEMM uses for weights of `fmt`: the activations always as hi + lo (one
+/// f16 alone moves small models' logits by up to 7e-3 of their largest), the weights as one f16
+/// where their values are f16's exactly (bf16 and f16 floats; MXFP4 and NVFP4: E2M1 codes times
+/// an E8M0 or E4M3 scale, NVFP4's global scale applied after the sum), else as hi + lo too
+/// (MXFP8's E8M0 scales reach past f16's range; affine codes times a
+/// scale plus a bias need more than 11 bits: as one f16, a q8 fixture's logits move by 1.4e-3
+/// of their largest). `MARKBASE_COOP_HILO` = `0` (none), `x` (activations only) or `1` (both)
+/// overrides it.
+pub fn hilo(fmt: GpuFormat) -> Hilo {
+    match std::env::var("MARKBASE_COOP_HILO").as_deref() {
+        Ok("0") | Ok("off") => Hilo::Off,
+        Ok("x") => Hilo::X,
+        Ok("1") => Hilo::Both,
+        _ => match fmt {
+            GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. } => Hilo::X,
+            _ => Hilo::Both,
+        },
+    }
+}
+
+/// Workgroup memory (bytes) of the f16 GEMM with `mt` results per subgroup along the tokens.
+pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8) -> u32 {
+    let lds = 32 + if coop { 8 } else { 0 };
+    let xs = 32 * mt as u32 * lds;
+    let ws = TILE_N as u32 * lds;
+    let f16s = xs * (1 + hilo.x() as u32) + ws * (1 + hilo.w() as u32);
+    2 * f16s + if coop { 2048 * 4 } else { 0 }
+}
+
+/// Results per subgroup along the tokens for `rows` x `t` (`MARKBASE_COOP_MT` sets it): 4 (tiles
+/// of 128 tokens) where the workgroup memory allows and the grid keeps at least 256 tiles, else 2.
+pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> u8 {
+    let fits = smem_bytes(coop, hilo, 4) <= smem_limit;
+    match std::env::var("MARKBASE_COOP_MT").ok().and_then(|v| v.parse::<u8>().ok()) {
+        Some(4) if fits => 4,
+        Some(_) => 2,
+        None if fits && div_ceil(rows, TILE_N) * div_ceil(t, 128) >= 256 => 4,
+        None => 2,
+    }
+}
+
+/// Whether the f16 GEMM's workgroup buffers hold vec4<f16> (`MARKBASE_COOP_VS=1`).
+pub fn vs() -> bool {
+    std::env::var("MARKBASE_COOP_VS").is_ok_and(|v| v == "1")
+}
+
+/// Bytes of the f16 activations of `t` tokens of `k` elements (hi, and lo with `hilo.x()`),
+/// padded as `row_scale.wgsl` writes them.
+pub fn x16_bytes(t: usize, k: usize, hilo: Hilo) -> u64 {
+    (t.div_ceil(128).max(1) * 128 * k.div_ceil(32) * 32 * 2 * (1 + hilo.x() as usize)) as u64
 }
 
 /// Weights of fewer elements take the f32 GEMM even where the f16 one is on: on small weights
@@ -32,8 +102,7 @@ pub fn min_weight() -> usize {
 
 const MIN_WEIGHT: usize = 4 << 20;
 
-/// Tokens and rows of one workgroup's tile.
-pub const TILE_T: usize = 64;
+/// Rows of one workgroup's tile (its tokens: 32 x `mt`).
 pub const TILE_N: usize = 128;
 
 /// Which GEMM prefill takes.
@@ -87,48 +156,61 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, xvec, hilo } => format!(
-            "gemm_f16[{}{}{}{}]",
+        KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs } => format!(
+            "gemm_f16[{}{}{}{}{}]",
             fmt.describe(),
             if *coop { " coop" } else { " fma" },
-            if *hilo { " hilo" } else { "" },
-            if *xvec { " xvec" } else { "" }
+            match hilo {
+                Hilo::Off => "",
+                Hilo::X => " hilo_x",
+                Hilo::Both => " hilo",
+            },
+            if *mt == 4 { " t128" } else { " t64" },
+            if *vs { " vs" } else { "" }
         ),
-        KernelSpec::RowScale => "row_scale".into(),
+        KernelSpec::RowScale { xvec, lo } => format!("row_scale[{}{}]", if *xvec { "xvec" } else { "scalar" }, if *lo { " lo" } else { "" }),
         _ => return None,
     })
 }
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, xvec, hilo } => {
-            let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP]).c("WG", 256).c("PAD", if coop { 8 } else { 0 });
-            weight_source(s.flag("COOP", coop).flag("XVEC", xvec).flag("HILO", hilo), fmt, false, false, false)
+        KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs } => {
+            let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP])
+                .c("WG", 256)
+                .c("PAD", if coop { 8 } else { 0 })
+                .c("MT", mt as u32)
+                .flag("X16", true)
+                .flag("COOP", coop)
+                .flag("HILO_X", hilo.x())
+                .flag("HILO_W", hilo.w())
+                .flag("VS", vs);
+            weight_source(s, fmt, false, false, false)
         }
-        KernelSpec::RowScale => Source::new(&[GEMM_COMMON, ROW_SCALE]),
+        KernelSpec::RowScale { xvec, lo } => Source::new(&[GEMM_COMMON, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo),
         _ => return None,
     })
 }
 
 fn variants() -> Vec<KernelSpec> {
-    let mut v = vec![KernelSpec::RowScale];
+    let mut v: Vec<KernelSpec> = [(false, false), (true, false), (true, true)].map(|(xvec, lo)| KernelSpec::RowScale { xvec, lo }).to_vec();
     for fmt in all_formats() {
         for coop in [false, true] {
-            for (xvec, hilo) in [(false, true), (true, true), (true, false)] {
-                v.push(KernelSpec::GemmF16 { fmt, coop, xvec, hilo });
+            for (hilo, mt, vs) in [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true)] {
+                v.push(KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs });
             }
         }
     }
     v
 }
 
-/// Workgroups of the GEMM over `rows` rows and `t` tokens (each dimension capped at `maxg`; the
-/// kernel walks the rest).
-pub fn gemm_groups(rows: usize, t: usize, maxg: u32) -> [u32; 3] {
-    [div_ceil(rows, TILE_N).min(maxg as usize) as u32, div_ceil(t, TILE_T).min(maxg as usize) as u32, 1]
+/// Workgroups of the GEMM over `rows` rows and `t` tokens with `mt` (each dimension capped at
+/// `maxg`; the kernel walks the rest).
+pub fn gemm_groups(rows: usize, t: usize, mt: u8, maxg: u32) -> [u32; 3] {
+    [div_ceil(rows, TILE_N).min(maxg as usize) as u32, div_ceil(t, 32 * mt as usize).min(maxg as usize) as u32, 1]
 }
 
-/// Workgroups of the row scales of `t` tokens.
+/// Workgroups of the activations' pass over `t` tokens (padded to 128).
 pub fn row_scale_groups(t: usize, maxg: u32) -> [u32; 3] {
-    [t.clamp(1, maxg as usize) as u32, 1, 1]
+    [(t.div_ceil(128).max(1) * 128).min(maxg as usize) as u32, 1, 1]
 }

@@ -415,7 +415,9 @@ impl Kernels {
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
             if self.opts.coop != CoopMode::Off && n.is_none_or(|n| n * k >= gemm_f16::min_weight()) {
-                return Ok(KernelSpec::GemmF16 { fmt, coop: self.opts.coop == CoopMode::Tensor, xvec: k % 4 == 0, hilo: gemm_f16::hilo() });
+                let (coop, hilo) = (self.opts.coop == CoopMode::Tensor, gemm_f16::hilo(fmt));
+                let mt = gemm_f16::tile_mt(coop, hilo, n.unwrap_or(usize::MAX), t, self.limits.max_compute_workgroup_storage_size);
+                return Ok(KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs: gemm_f16::vs() });
             }
             let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
             KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
@@ -447,9 +449,10 @@ impl Kernels {
         Ok(MatMulKernel { kernel: self.get(spec)?, spec, maxg: self.maxg() })
     }
 
-    /// The per-token scales of the f16 GEMM's activations ([`KernelSpec::RowScale`]).
-    pub fn row_scale(&self) -> Result<Arc<Kernel>, GpuError> {
-        self.get(KernelSpec::RowScale)
+    /// The activations' pass of the f16 GEMM `mm` ([`KernelSpec::RowScale`]) over rows of `k`.
+    pub fn row_scale(&self, mm: &MatMulKernel, k: usize) -> Result<Arc<Kernel>, GpuError> {
+        let lo = matches!(mm.spec, KernelSpec::GemmF16 { hilo, .. } if hilo.x());
+        self.get(KernelSpec::RowScale { xvec: k % 4 == 0, lo })
     }
 
     /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
@@ -592,28 +595,38 @@ impl MatMulKernel {
         }
     }
 
-    /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
-    /// The f16 GEMM: it reads the row scales of x (binding 7), written by a
-    /// [`Kernels::row_scale`] dispatch before it ([`MatMulKernel::bind_group_f16`]).
+    /// The f16 GEMM: it reads x / s in f16 (binding 1, [`gemm_f16::x16_bytes`]) and the row
+    /// scales (binding 7), written by a [`Kernels::row_scale`] dispatch before it
+    /// ([`MatMulKernel::bind_group_f16`]).
     pub fn is_f16(&self) -> bool {
         matches!(self.spec, KernelSpec::GemmF16 { .. })
     }
 
-    /// Bind group of the f16 GEMM: chunk `c` of `w`, the row scales `scales`.
+    /// The f16 GEMM's split of its inputs (`Hilo::Off` for other kernels).
+    pub fn hilo(&self) -> gemm_f16::Hilo {
+        match self.spec {
+            KernelSpec::GemmF16 { hilo, .. } => hilo,
+            _ => gemm_f16::Hilo::Off,
+        }
+    }
+
+    /// Bind group of the f16 GEMM: chunk `c` of `w`, the activations `x16` and their row scales
+    /// `scales`.
     #[allow(clippy::too_many_arguments)]
     pub fn bind_group_f16(
         &self,
         device: &wgpu::Device,
         params: &wgpu::Buffer,
-        x: &wgpu::Buffer,
+        x16: &wgpu::Buffer,
         y: &wgpu::Buffer,
         scales: &wgpu::Buffer,
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        self.bind(device, params, x, y, &[(7, scales)], w, None, c)
+        self.bind(device, params, x16, y, &[(7, scales)], w, None, c)
     }
 
+    /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
     pub fn is_split(&self) -> bool {
         matches!(self.spec, KernelSpec::Gemm { split: true, .. })
     }
@@ -668,7 +681,7 @@ impl MatMulKernel {
                 let experts = d.gather.map_or(0, |g| g.e_count);
                 [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
-            KernelSpec::GemmF16 { .. } => gemm_f16::gemm_groups(d.rows, d.t, self.maxg),
+            KernelSpec::GemmF16 { mt, .. } => gemm_f16::gemm_groups(d.rows, d.t, mt, self.maxg),
             KernelSpec::Gemm { wide, .. } => {
                 [div_ceil(d.rows, gemm_tile_rows(wide)).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
             }
@@ -778,19 +791,26 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
     let (dev, kernels) = (cx.dev(), cx.kernels);
     let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
     let scales = if k.is_f16() {
-        // the row scales of x, for every chunk's GEMM
+        // the row scales of x and x / s in f16, for every chunk's GEMM
         let bytes = (rows.max(1) * 4) as u64;
         if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
             let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
             cx.acc.scratch.push(b.clone());
             cx.acc.row_scales = Some(b);
         }
+        let bytes = gemm_f16::x16_bytes(rows, w.k, k.hilo());
+        if cx.acc.x16.as_ref().is_none_or(|b| b.size() < bytes) {
+            let b = cx.gpu.try_storage("gemm.x16", bytes).map_err(|e| e.to_string())?;
+            cx.acc.scratch.push(b.clone());
+            cx.acc.x16 = Some(b);
+        }
         let sb = cx.acc.row_scales.clone().expect("allocated above");
-        let rk = kernels.row_scale().map_err(cx.kerr())?;
+        let xb = cx.acc.x16.clone().expect("allocated above");
+        let rk = kernels.row_scale(&k, w.k).map_err(cx.kerr())?;
         let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
-        let bg = rk.bind_buffers(dev, &[(0, &p), (1, x), (7, &sb)]);
+        let bg = rk.bind_buffers(dev, &[(0, &p), (1, x), (5, &xb), (7, &sb)]);
         cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
-        Some(sb)
+        Some((sb, xb))
     } else {
         None
     };
@@ -806,8 +826,8 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
             }
             let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
             k.bind_group_split(dev, &p, x, y, part, done, w, ci)
-        } else if let Some(sb) = &scales {
-            k.bind_group_f16(dev, &p, x, y, sb, w, ci)
+        } else if let Some((sb, xb)) = &scales {
+            k.bind_group_f16(dev, &p, xb, y, sb, w, ci)
         } else {
             k.bind_group(dev, &p, x, y, None, w, ci)
         };

@@ -99,6 +99,8 @@ pub(crate) struct Lowered {
     /// The f16 GEMMs' row scales: one buffer shared by all of them (each writes its scales
     /// right before it runs), replaced by a larger one when a GEMM has more tokens.
     pub row_scales: Option<wgpu::Buffer>,
+    /// Their activations in f16 (x / s), shared the same way.
+    pub x16: Option<wgpu::Buffer>,
     /// Dispatches recorded since the last [`Lowered::take_dispatches`].
     dispatches: Vec<Dispatch>,
 }
