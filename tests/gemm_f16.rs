@@ -31,9 +31,11 @@ const HILO_BOUND: f32 = 4e-6;
 /// Activations as hi + lo, weights as one f16: half of [`BOUND`]'s rounding.
 const HILO_X_BOUND: f32 = 6e-4;
 
-/// The kernel variants checked: (split, results per subgroup along the tokens, vec4 buffers);
-/// those whose workgroup memory exceeds the adapter's are left out.
-const VARIANTS: [(Hilo, u8, bool); 4] = [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true), (Hilo::Both, 2, true)];
+/// The kernel variants checked: (split, results per subgroup along the tokens, vec4 buffers,
+/// centred affine weights); those whose workgroup memory exceeds the adapter's are left out, and
+/// the centred ones where the format has no centring.
+const VARIANTS: [(Hilo, u8, bool, bool); 6] =
+    [(Hilo::Both, 2, false, false), (Hilo::X, 4, false, false), (Hilo::Off, 4, true, false), (Hilo::Both, 2, true, false), (Hilo::X, 2, true, true), (Hilo::X, 4, true, true)];
 
 fn kernels(gpu: &Gpu) -> Vec<(&'static str, Kernels, bool)> {
     let opts = |coop| KernelOptions { coop, ..KernelOptions::for_gpu(gpu) };
@@ -70,7 +72,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
     let xb = gpu.upload_f32("x", &x);
     for (label, kk, coop) in ks {
         let chosen = kk.matmul_rows(fmt, k, n, t, false).unwrap();
-        if n * k >= gemm_f16::min_weight() {
+        if gemm_f16::takes_f16(n, k, t) {
             assert!(
                 matches!(chosen.spec, KernelSpec::GemmF16 { fmt: f, coop: c, hilo: h, .. } if f == fmt && c == *coop && h == gemm_f16::hilo(fmt)),
                 "{label}: the f16 GEMM is chosen, not {:?}",
@@ -79,20 +81,26 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
         } else {
             assert!(matches!(chosen.spec, KernelSpec::Gemm { .. }), "{label}: a small weight takes the f32 GEMM, not {:?}", chosen.spec);
         }
-        for (hilo, mt, vs) in VARIANTS {
+        for (hilo, mt, vs, center) in VARIANTS {
             if gemm_f16::smem_bytes(*coop, hilo, mt) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, hilo, mt, vs }).unwrap();
+            if center && !(gemm_f16::center(fmt) && k % 8 == 0 && gemm_f16::groups_fit(fmt, k)) {
+                continue;
+            }
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center }).unwrap();
+            // centred weights are exact in f16: the activations' split alone bounds the error
+            let exact_w = center || matches!(fmt, GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. });
             let bound = match hilo {
                 Hilo::Both => HILO_BOUND,
+                Hilo::X if exact_w => HILO_BOUND,
                 Hilo::X => HILO_X_BOUND,
                 Hilo::Off => BOUND,
             };
             let y = gpu.storage("y", (t * n * 4) as u64);
             gpu.queue.write_buffer(&y, 0, &vec![0xffu8; t * n * 4]);
             let scales = gpu.storage("scales", (t * 4) as u64);
-            let x16 = gpu.storage("x16", gemm_f16::x16_bytes(t, k, hilo));
+            let x16 = gpu.storage("x16", gemm_f16::x16_bytes(&mm.spec, t, k));
             let rk = kk.row_scale(&mm, k).unwrap();
             let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
             let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
@@ -105,7 +113,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
                 }
             });
             let got = gpu.read_f32(&y, t * n).unwrap();
-            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
+            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
             let mut worst = (0usize, 0f32);
             for i in 0..t * n {
                 let e = (got[i] - want[i]).abs();
@@ -158,7 +166,8 @@ fn gemm_f16_several_tiles_and_huge_activations() {
 /// Prefill GEMM throughput: `cargo test --release --test gemm_f16 -- --ignored throughput --nocapture`.
 /// Gemma 3 12B's prefill shapes (`[N, K]` of q, k/v, o, gate/up, down; affine 4-bit g64) at
 /// `MARKBASE_BENCH_T` tokens (default 512): the f32 GEMM and every f16 variant that fits the
-/// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs` items, e.g. `both:2:0,x:4:1`), each GEMM
+/// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs[:c]` items, e.g. `both:2:0,x:4:1:c`, `c` for
+/// centred weights), each GEMM
 /// with its activations' pass, timed as one pass of `MARKBASE_BENCH_LAYERS` dispatch pairs
 /// (timestamps where the adapter has them), median of `MARKBASE_BENCH_ITERS`; TFLOP/s of
 /// 2 T N K.
@@ -171,7 +180,7 @@ fn throughput() {
     let t = envu("MARKBASE_BENCH_T", 512);
     let layers = envu("MARKBASE_BENCH_LAYERS", 8);
     let iters = envu("MARKBASE_BENCH_ITERS", 5);
-    let variants: Vec<(Hilo, u8, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
+    let variants: Vec<(Hilo, u8, bool, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
         Ok(v) => v
             .split(',')
             .map(|s| {
@@ -181,10 +190,18 @@ fn throughput() {
                     "x" => Hilo::X,
                     _ => Hilo::Off,
                 };
-                (h, f[1].parse().unwrap(), f[2] == "1")
+                (h, f[1].parse().unwrap(), f[2] == "1", f.get(3) == Some(&"c"))
             })
             .collect(),
-        Err(_) => vec![(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::X, 2, false), (Hilo::Off, 4, false), (Hilo::X, 4, true), (Hilo::Both, 2, true)],
+        Err(_) => vec![
+            (Hilo::Both, 2, false, false),
+            (Hilo::Off, 4, false, false),
+            (Hilo::Off, 4, true, false),
+            (Hilo::X, 4, true, false),
+            (Hilo::X, 2, true, false),
+            (Hilo::X, 4, true, true),
+            (Hilo::X, 2, true, true),
+        ],
     };
     let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
     let mut r = rng("gemm_f16_throughput");
@@ -205,13 +222,13 @@ fn throughput() {
         let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group(&gpu.device, &pb, &x, &y, None, w, 0)).collect();
         let sec = median_pass_seconds(&gpu, iters, |pass| bgs.iter().for_each(|bg| mm.dispatch(pass, bg, &d))) / layers as f64;
         println!("BENCH gemm T={t} N={n} K={k} {}: {:.1} us, {:.1} TFLOP/s", mm.kernel.name, sec * 1e6, flop / sec / 1e12);
-        for &(hilo, mt, vs) in &variants {
+        for &(hilo, mt, vs, center) in &variants {
             if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
-            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, hilo, mt, vs }).unwrap();
+            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center }).unwrap();
             let scales = gpu.storage("scales", (t * 4) as u64);
-            let x16 = gpu.storage("x16", gemm_f16::x16_bytes(t, k, hilo));
+            let x16 = gpu.storage("x16", gemm_f16::x16_bytes(&mm.spec, t, k));
             let rk = kf16.row_scale(&mm, k).unwrap();
             let pb = gpu.uniform("p", &mm.params(&d));
             let rbg = rk.bind_buffers(&gpu.device, &[(0, &pb), (1, &x), (5, &x16), (7, &scales)]);

@@ -79,3 +79,30 @@ fn subgroup_free_variants_need_no_subgroup_capability() {
         v.validate(&module).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&text)));
     }
 }
+
+/// The f16 GEMM's Metal variant (8 x 8 cooperative matrices: Metal's simdgroup matrices have no
+/// 16 x 16) translates to MSL with simdgroup matrices of 8 x 8 only, for every weight format and
+/// split; the 16 x 16 variant is the one Vulkan runs.
+#[test]
+fn metal_gemm_uses_8x8_simdgroup_matrices() {
+    let mut n = 0;
+    for spec in KernelSpec::all_variants() {
+        let KernelSpec::GemmF16 { coop: true, m8, .. } = spec else { continue };
+        let wgsl = spec.source(false).text();
+        let module = naga::front::wgsl::parse_str(&wgsl).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
+        let mut v = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), capabilities(false));
+        let info = v.validate(&module).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
+        let opts = naga::back::msl::Options { lang_version: (2, 4), fake_missing_bindings: true, ..Default::default() };
+        let (msl, _) = naga::back::msl::write_string(&module, &info, &opts, &naga::back::msl::PipelineOptions::default()).unwrap();
+        let (has8, has16) = (msl.contains("simdgroup_float8x8") && msl.contains("simdgroup_half8x8"), msl.contains("16x16"));
+        if m8 {
+            assert!(has8 && !has16, "{}: the Metal variant must use 8 x 8 simdgroup matrices only", spec.name());
+            assert!(msl.contains("simdgroup_multiply_accumulate"), "{}: no simdgroup product in MSL", spec.name());
+            n += 1;
+        } else {
+            assert!(has16 && !has8, "{}: the Vulkan variant uses 16 x 16", spec.name());
+        }
+    }
+    assert!(n > 0, "no Metal variant of the f16 GEMM");
+    println!("{n} Metal variants checked");
+}

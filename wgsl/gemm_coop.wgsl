@@ -1,6 +1,7 @@
 // Prefill GEMM on f16 tiles: y[t, row_start + r] = s[t] * sum_k (x[t, k] / s[t]) * W[r, k].
 //
-// COOP: the products run on cooperative matrices (tensor cores): 16x16x16, f16 inputs, f32
+// COOP: the products run on cooperative matrices (tensor cores): 16x16x16 (with M8, 8x8x8, as
+// Metal's simdgroup matrices have them), f16 inputs, f32
 // accumulators. Without COOP, the twin: the same tiling, staging, scaling and epilogue, with a
 // plain FMA loop in place of coopMultiplyAdd (each invocation holds the elements of the 16x16
 // results that a subgroup of 32 would), so that adapters without cooperative matrices (and CI's
@@ -69,6 +70,13 @@ var<workgroup> wl: array<f16, WS>;
 //#endif
 
 //#if COOP
+// a staged row's length in the workgroup buffers' elements (vec4s with VS)
+//#if VS
+const STRIDE: u32 = LDS / 4u;
+//#else
+const STRIDE: u32 = LDS;
+//#endif
+
 // each group's 16 x 16 result on its way out: [token][row]
 var<workgroup> cs: array<f32, 2048u>;
 
@@ -127,6 +135,51 @@ fn wl_at(i: u32) -> f32 {
 //#endif
 //#endif
 
+// Columns of the activations (x16's rows): K, and with CENTER two more per weight group.
+fn k_aug(K: u32) -> u32 {
+//#if CENTER
+    return K + 2u * (K / WGROUP);
+//#else
+    return K;
+//#endif
+}
+
+//#if CENTER
+// Octet `o` of `row`, centred: s (q - 2^(WBITS-1)), exact in f16 (codes of up to 4 bits, bf16
+// scales).
+fn oct_center(r: ROct, row: u32, o: u32, K: u32) -> Oct {
+    var d: Oct;
+    let c = oct_split(r.a.x, r.a.y, o);
+    let g = row * (K / WGROUP) + o * 8u / WGROUP;
+    let s = scale_of(r.a.zw, g);
+    let h = f32(1u << (WBITS - 1u));
+    d.a = (code_vals(c[0]) - h) * s;
+    d.b = (code_vals(c[1]) - h) * s;
+    return d;
+}
+
+// Columns j .. j + 7 past K of `row`: for group i = (j + e) / 2, what centring took out,
+// (b + 2^(WBITS-1) s) x WGROUP (the activations' side holds the group's sum / WGROUP), as its
+// hi part (even columns) and lo part (odd columns); zeros past the last group.
+fn aug_oct(row: u32, j: u32, K: u32) -> Oct {
+    let G = K / WGROUP;
+    let h = f32(1u << (WBITS - 1u));
+    var v = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    for (var i = 0u; i < 4u; i++) {
+        let gi = j / 2u + i;
+        if gi < G {
+            let gg = row * G + gi;
+            let sw = sc_words(gg);
+            let bb = (bias_of(sw) + h * scale_of(sw, gg)) * f32(WGROUP);
+            let hb = hi4(vec4<f32>(bb)).x;
+            v[2u * i] = hb;
+            v[2u * i + 1u] = bb - hb;
+        }
+    }
+    return Oct(vec4<f32>(v[0], v[1], v[2], v[3]), vec4<f32>(v[4], v[5], v[6], v[7]));
+}
+//#endif
+
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -134,7 +187,7 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let K = p.K;
-    let kq = k_pad(K) / 4u;         // vec4s per x16 row
+    let kq = k_pad(k_aug(K)) / 4u;  // vec4s per x16 row
     let lo_off = t_pad(p.T) * kq;   // where x16's lo parts begin
     let g = lid / 32u;      // group: a subgroup under COOP
     let l = lid % 32u;      // lane in the group
@@ -146,7 +199,7 @@ fn main(
     // weight loader: row lr, octets 2 lo and 2 lo + 1 of the step's four
     let lr = lid / 2u;
     let lo = lid % 2u;
-    let nsteps = k_pad(K) / BK;
+    let nsteps = k_pad(k_aug(K)) / BK;
     let ntt = (p.T + BT - 1u) / BT;
     let nrt = (p.rows + BN - 1u) / BN;
     let gsc = w_global(0u);
@@ -171,7 +224,18 @@ fn main(
                 rxl[j] = x16[lo_off + xr + j];
 //#endif
             }
-//#if COOP
+//#if COOP && M8
+            // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
+//#repeat MT a
+//#repeat 2 b
+//#repeat 2 i
+//#repeat 2 j
+            var c$a$b$i$j = coop_mat8x8<f32, C>();
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#elif COOP
 //#repeat MT a
 //#repeat 2 b
             var c$a$b = coop_mat16x16<f32, C>();
@@ -193,11 +257,25 @@ fn main(
                     let wb = lr * LDS + 16u * lo;
                     for (var h = 0u; h < 2u; h++) {
                         var d: Oct;
-                        if h == 0u {
-                            d = oct_dec(rw0, wr, s * 4u + 2u * lo, K);
+                        let oi = s * 4u + 2u * lo + h;
+//#if CENTER
+                        if oi * 8u >= K {
+                            d = Oct(vec4<f32>(0.0), vec4<f32>(0.0));
+                            if wload {
+                                d = aug_oct(wr, oi * 8u - K, K);
+                            }
+                        } else if h == 0u {
+                            d = oct_center(rw0, wr, oi, K);
                         } else {
-                            d = oct_dec(rw1, wr, s * 4u + 2u * lo + 1u, K);
+                            d = oct_center(rw1, wr, oi, K);
                         }
+//#else
+                        if h == 0u {
+                            d = oct_dec(rw0, wr, oi, K);
+                        } else {
+                            d = oct_dec(rw1, wr, oi, K);
+                        }
+//#endif
 //#if HILO_W
                         let wha = hi4(d.a);
                         let whb = hi4(d.b);
@@ -258,17 +336,68 @@ fn main(
 //#endif
                     }
                 }
-//#if COOP
-                for (var kk = 0u; kk < BK; kk += 16u) {
-//#if VS
-                    let ld = LDS / 4u;
-                    let ia = (gt * LDS + kk) / 4u;
-                    let ib = (gn * LDS + kk) / 4u;
-//#else
-                    let ld = LDS;
-                    let ia = gt * LDS + kk;
-                    let ib = gn * LDS + kk;
+//#if COOP && M8
+                for (var kk = 0u; kk < BK; kk += 8u) {
+                    let ld = STRIDE;
+                    let ia = (gt * LDS + kk) / (LDS / STRIDE);
+                    let ib = (gn * LDS + kk) / (LDS / STRIDE);
+//#repeat MT a
+//#repeat 2 i
+                    let a$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xs[ia + (16u * $au + 8u * $iu) * ld], ld);
+//#endrepeat
+//#endrepeat
+//#repeat 2 b
+//#repeat 2 j
+                    let b$b$j = coopLoad<coop_mat8x8<f16, B>>(&ws[ib + (16u * $bu + 8u * $ju) * ld], ld);
+//#endrepeat
+//#endrepeat
+//#repeat MT a
+//#repeat 2 b
+//#repeat 2 i
+//#repeat 2 j
+                    c$a$b$i$j = coopMultiplyAdd(a$a$i, b$b$j, c$a$b$i$j);
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#if HILO_W
+//#repeat 2 b
+//#repeat 2 j
+                    let bl$b$j = coopLoad<coop_mat8x8<f16, B>>(&wl[ib + (16u * $bu + 8u * $ju) * ld], ld);
+//#endrepeat
+//#endrepeat
+//#repeat MT a
+//#repeat 2 b
+//#repeat 2 i
+//#repeat 2 j
+                    c$a$b$i$j = coopMultiplyAdd(a$a$i, bl$b$j, c$a$b$i$j);
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#endrepeat
 //#endif
+//#if HILO_X
+//#repeat MT a
+//#repeat 2 i
+                    let al$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xl[ia + (16u * $au + 8u * $iu) * ld], ld);
+//#endrepeat
+//#endrepeat
+//#repeat MT a
+//#repeat 2 b
+//#repeat 2 i
+//#repeat 2 j
+                    c$a$b$i$j = coopMultiplyAdd(al$a$i, b$b$j, c$a$b$i$j);
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#endrepeat
+//#endif
+                }
+//#elif COOP
+                for (var kk = 0u; kk < BK; kk += 16u) {
+                    let ld = STRIDE;
+                    let ia = (gt * LDS + kk) / (LDS / STRIDE);
+                    let ib = (gn * LDS + kk) / (LDS / STRIDE);
 //#repeat MT a
                     let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia + 16u * $au * ld], ld);
 //#endrepeat
@@ -328,7 +457,21 @@ fn main(
 //#endif
             }
             // epilogue
-//#if COOP
+//#if COOP && M8
+            // each result's four 8 x 8 through the group's 16 x 16 of cs
+//#repeat MT a
+//#repeat 2 b
+//#repeat 2 i
+//#repeat 2 j
+            coopStoreT(c$a$b$i$j, &cs[g * 256u + 128u * $iu + 8u * $ju], 16u);
+//#endrepeat
+//#endrepeat
+            workgroupBarrier();
+            write_out(g, l, t0 + gt + 16u * $au, r0 + gn + 16u * $bu, gsc);
+            workgroupBarrier();
+//#endrepeat
+//#endrepeat
+//#elif COOP
             // each result through the group's 16 x 16 of cs
 //#repeat MT a
 //#repeat 2 b

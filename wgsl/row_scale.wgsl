@@ -15,6 +15,13 @@ enable f16;
 @group(0) @binding(7) var<storage, read_write> s: array<f32>;
 
 var<workgroup> red: array<f32, 256>;
+//#if AUG
+// The token's group sums of x / s, divided by the group size GS (so that they fit f16 as x / s
+// does), for a centring GEMM (gemm_coop.wgsl's CENTER): columns K + 2g and K + 2g + 1 both hold
+// group g's.
+const MAXG: u32 = 1024u;
+var<workgroup> gsum: array<f32, MAXG>;
+//#endif
 
 @compute @workgroup_size(256)
 fn main(
@@ -23,7 +30,13 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tp = t_pad(p.T);
-    let kq = k_pad(p.K) / 4u;
+//#if AUG
+    let G = min(p.K / GS, MAXG);
+    let ka = p.K + 2u * G;
+//#else
+    let ka = p.K;
+//#endif
+    let kq = k_pad(ka) / 4u;
     for (var t = wid.x; t < tp; t += nwg.x) {
         let valid = t < p.T;
         var m = 0.0;
@@ -52,8 +65,26 @@ fn main(
             s[t] = sc;
         }
         let inv = 1.0 / sc;
+//#if AUG
+        for (var g = lid; g < G; g += 256u) {
+            var acc = vec4<f32>(0.0);
+            for (var q = 0u; q < GS / 4u; q++) {
+                acc += load_x4(t, g * GS, q, p.K, valid);
+            }
+            gsum[g] = (acc.x + acc.y + acc.z + acc.w) * inv / f32(GS);
+        }
+        workgroupBarrier();
+//#endif
         for (var q = lid; q < kq; q += 256u) {
-            let v = load_x4(t, 0u, q, p.K, valid) * inv;
+            var v = load_x4(t, 0u, q, p.K, valid) * inv;
+//#if AUG
+            for (var e = 0u; e < 4u; e++) {
+                let c = 4u * q + e;
+                if c >= p.K && c < ka {
+                    v[e] = gsum[(c - p.K) / 2u];
+                }
+            }
+//#endif
             let h = hi4(v);
             x16[t * kq + q] = vec4<f16>(h);
 //#if HILO_X

@@ -147,6 +147,9 @@ pub struct GpuInfo {
     /// Cooperative matrices of 16 x 16 x 16, f16 inputs and f32 accumulators (the device was
     /// opened with them).
     pub coop_f16_16: bool,
+    /// Cooperative matrices of 8 x 8 x 8 only (Metal's simdgroup matrices), f16 inputs and f32
+    /// accumulators (the device was opened with them).
+    pub coop_f16_8: bool,
     /// Limits the device was created with (the adapter's own).
     pub limits: wgpu::Limits,
 }
@@ -304,8 +307,10 @@ impl Gpu {
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
         // cooperative matrices (experimental in wgpu): only where the f16 GEMM's configuration
         // is offered
+        let props = adapter.cooperative_matrix_properties();
+        let (has16, has8) = (crate::gpu::ops::gemm_f16::has_f16(&props, 16), crate::gpu::ops::gemm_f16::has_f16(&props, 8));
         let coop = have.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-            && crate::gpu::ops::gemm_f16::has_f16_16(&adapter.cooperative_matrix_properties())
+            && (has16 || has8)
             && std::env::var("MARKBASE_COOP").map_or(true, |v| v != "0" && v != "off");
         let want = if coop { want | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX } else { want };
         let features = have & want;
@@ -342,7 +347,8 @@ impl Gpu {
             subgroups: features.contains(wgpu::Features::SUBGROUP),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             timestamps_inside_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
-            coop_f16_16: features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX),
+            coop_f16_16: features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) && has16,
+            coop_f16_8: features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) && has8 && !has16,
             limits,
         };
         let faults = Arc::new(Faults::default());

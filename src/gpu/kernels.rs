@@ -119,11 +119,14 @@ pub enum KernelSpec {
     /// The prefill GEMM on f16 tiles (`gemm_coop.wgsl`): `coop` on cooperative matrices, else its
     /// FMA twin; `hilo`: which inputs go as two f16 (hi and lo); `mt`: 16 x 16 results per
     /// subgroup along the tokens (2 or 4: tiles of 64 or 128 tokens); `vs`: workgroup buffers of
-    /// vec4<f16>. See [`super::ops::gemm_f16`].
-    GemmF16 { fmt: GpuFormat, coop: bool, hilo: Hilo, mt: u8, vs: bool },
+    /// vec4<f16>; `center`: affine weights centred, their biases as extra columns of K (see
+    /// [`super::ops::gemm_f16::center`]). See [`super::ops::gemm_f16`].
+    /// `m8`: on 8 x 8 cooperative matrices (Metal's) instead of 16 x 16.
+    GemmF16 { fmt: GpuFormat, coop: bool, m8: bool, hilo: Hilo, mt: u8, vs: bool, center: bool },
     /// The f16 GEMM's activations: per-token scales and x / s in f16 (`row_scale.wgsl`);
-    /// `xvec`: K % 4 == 0; `lo`: with the lo parts (`Hilo::X`, `Hilo::Both`).
-    RowScale { xvec: bool, lo: bool },
+    /// `xvec`: K % 4 == 0; `lo`: with the lo parts (`Hilo::X`, `Hilo::Both`); `aug`: the weight
+    /// group whose sums follow each row (a centring GEMM's), or 0.
+    RowScale { xvec: bool, lo: bool, aug: u32 },
     Embed { fmt: GpuFormat },
     /// `res`: adds a residual (`Op::RmsNormAdd`); `scalar`: then multiplies by a scalar weight
     /// of that dtype.

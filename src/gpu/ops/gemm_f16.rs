@@ -43,20 +43,47 @@ impl Hilo {
 /// The split the f16 GEMM uses for weights of `fmt`: the activations always as hi + lo (one
 /// f16 alone moves small models' logits by up to 7e-3 of their largest), the weights as one f16
 /// where their values are f16's exactly (bf16 and f16 floats; MXFP4 and NVFP4: E2M1 codes times
-/// an E8M0 or E4M3 scale, NVFP4's global scale applied after the sum), else as hi + lo too
-/// (MXFP8's E8M0 scales reach past f16's range; affine codes times a
-/// scale plus a bias need more than 11 bits: as one f16, a q8 fixture's logits move by 1.4e-3
-/// of their largest). `MARKBASE_COOP_HILO` = `0` (none), `x` (activations only) or `1` (both)
-/// overrides it.
+/// an E8M0 or E4M3 scale, NVFP4's global scale applied after the sum; affine codes of up to 4
+/// bits with bf16 scales, centred: see [`center`]), else as hi + lo too (MXFP8's E8M0 scales
+/// reach past f16's range; wider affine codes times a scale need more than 11 bits: as one f16,
+/// a q8 fixture's logits move by 1.4e-3 of their largest). `MARKBASE_COOP_HILO` = `0` (none),
+/// `x` (activations only) or `1` (both) overrides it.
 pub fn hilo(fmt: GpuFormat) -> Hilo {
     match std::env::var("MARKBASE_COOP_HILO").as_deref() {
         Ok("0") | Ok("off") => Hilo::Off,
         Ok("x") => Hilo::X,
         Ok("1") => Hilo::Both,
+        _ if center(fmt) => Hilo::X,
         _ => match fmt {
             GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. } => Hilo::X,
             _ => Hilo::Both,
         },
+    }
+}
+
+/// Whether the f16 GEMM centres the affine weights of `fmt`: W = s q + b is staged as
+/// s (q - 2^(bits-1)), exact in f16 for codes of up to 4 bits and bf16 scales (at most 8 x 255
+/// in 11 significant bits), and the rest, sum over groups of (b + 2^(bits-1) s) times the
+/// group's sum of x, rides along as 2 K / group extra columns of K: the group sums on the
+/// activations' side (written by `row_scale.wgsl`), b + 2^(bits-1) s as hi and lo on the
+/// weights' side. All on the tensor cores, each weight one f16, about f32's error.
+/// `MARKBASE_COOP_CENTER=0` turns it off.
+pub fn center(fmt: GpuFormat) -> bool {
+    matches!(fmt, GpuFormat::Affine { bits, scale: FloatType::Bf16, .. } if bits <= 4)
+        && !std::env::var("MARKBASE_COOP_CENTER").is_ok_and(|v| v == "0")
+}
+
+/// Whether `row_scale.wgsl` holds the group sums of rows of `k` (at most 1,024 groups).
+pub fn groups_fit(fmt: GpuFormat, k: usize) -> bool {
+    matches!(fmt, GpuFormat::Affine { group, .. } if k % group as usize == 0 && k / group as usize <= 1024)
+}
+
+/// The columns of the f16 activations of rows of `k` for the GEMM `spec`: `k`, plus two per
+/// weight group where it centres its weights ([`center`]).
+pub fn k_aug(spec: &KernelSpec, k: usize) -> usize {
+    match *spec {
+        KernelSpec::GemmF16 { fmt: GpuFormat::Affine { group, .. }, center: true, .. } => k + 2 * k / group as usize,
+        _ => k,
     }
 }
 
@@ -81,23 +108,37 @@ pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -
     }
 }
 
-/// Whether the f16 GEMM's workgroup buffers hold vec4<f16> (`MARKBASE_COOP_VS=1`).
-pub fn vs() -> bool {
-    std::env::var("MARKBASE_COOP_VS").is_ok_and(|v| v == "1")
+/// Whether the f16 GEMM's workgroup buffers hold vec4<f16>: where only the activations are
+/// split (H200, pp512, 12B shapes: 44-48 -> 56-62 TFLOP/s); `MARKBASE_COOP_VS` = `0` or `1`
+/// overrides it.
+pub fn vs(hilo: Hilo) -> bool {
+    match std::env::var("MARKBASE_COOP_VS").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => hilo == Hilo::X,
+    }
 }
 
-/// Bytes of the f16 activations of `t` tokens of `k` elements (hi, and lo with `hilo.x()`),
-/// padded as `row_scale.wgsl` writes them.
-pub fn x16_bytes(t: usize, k: usize, hilo: Hilo) -> u64 {
-    (t.div_ceil(128).max(1) * 128 * k.div_ceil(32) * 32 * 2 * (1 + hilo.x() as usize)) as u64
+/// Bytes of the f16 activations of `t` tokens of `k` elements for the GEMM `spec` (hi, and lo
+/// where it splits them; [`k_aug`] columns), padded as `row_scale.wgsl` writes them.
+pub fn x16_bytes(spec: &KernelSpec, t: usize, k: usize) -> u64 {
+    let lo = matches!(spec, KernelSpec::GemmF16 { hilo, .. } if hilo.x());
+    (t.div_ceil(128).max(1) * 128 * k_aug(spec, k).div_ceil(32) * 32 * 2 * (1 + lo as usize)) as u64
 }
 
 /// Weights of fewer elements take the f32 GEMM even where the f16 one is on: on small weights
-/// the row-scale dispatch and the hi/lo staging cost more than the tensor cores save. With 4M
-/// (H100, pp512): gemma3-270m 41,100 -> 43,200-46,800 tok/s, gemma3-1b 13,600 -> 14,500, gemma4-e2b
+/// the activations' pass and the staging cost more than the tensor cores save. With 4M (H100,
+/// pp512): gemma3-270m 41,100 -> 43,200-46,800 tok/s, gemma3-1b 13,600 -> 14,500, gemma4-e2b
 /// 6,190 -> 6,330; the 12B's weights are all above it. `MARKBASE_COOP_MIN` sets it.
 pub fn min_weight() -> usize {
     std::env::var("MARKBASE_COOP_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_WEIGHT)
+}
+
+/// Whether a GEMM of `t` tokens over a weight of `n` x `k` takes the f16 path (where it is on):
+/// weights of [`min_weight`] elements or more at up to 512 tokens; past 512, weights smaller in
+/// proportion (the same work: a tower's 4,096 patches through a 1,152 x 1,152 weight).
+pub fn takes_f16(n: usize, k: usize, t: usize) -> bool {
+    (n * k) as u128 * t.max(512) as u128 >= min_weight() as u128 * 512
 }
 
 const MIN_WEIGHT: usize = 4 << 20;
@@ -114,6 +155,9 @@ pub enum CoopMode {
     Fma,
     /// The f16 GEMM on cooperative matrices (16 x 16 x 16, f16 in, f32 accumulators).
     Tensor,
+    /// The same on 8 x 8 x 8 cooperative matrices (Metal's simdgroup matrices, which have no
+    /// 16 x 16).
+    Tensor8,
 }
 
 impl CoopMode {
@@ -127,6 +171,9 @@ impl CoopMode {
             _ if gpu.info.coop_f16_16 && gpu.info.shader_f16 && gpu.info.subgroup_min_size == 32 && gpu.info.subgroup_max_size == 32 => {
                 CoopMode::Tensor
             }
+            _ if gpu.info.coop_f16_8 && gpu.info.shader_f16 && gpu.info.subgroup_min_size == 32 && gpu.info.subgroup_max_size == 32 => {
+                CoopMode::Tensor8
+            }
             _ => CoopMode::Off,
         }
     }
@@ -136,19 +183,21 @@ impl CoopMode {
             CoopMode::Off => "off",
             CoopMode::Fma => "fma",
             CoopMode::Tensor => "tensor",
+            CoopMode::Tensor8 => "tensor8x8",
         }
+    }
+
+    /// Whether the GEMM runs on cooperative matrices, and whether on 8 x 8 ones.
+    pub fn coop(self) -> (bool, bool) {
+        (matches!(self, CoopMode::Tensor | CoopMode::Tensor8), self == CoopMode::Tensor8)
     }
 }
 
-/// Whether `props` (an adapter's cooperative-matrix configurations) hold the one the f16 GEMM
-/// uses.
-pub fn has_f16_16(props: &[wgpu::CooperativeMatrixProperties]) -> bool {
+/// Whether `props` (an adapter's cooperative-matrix configurations) hold `n` x `n` x `n` with
+/// f16 inputs and f32 accumulators, the one the f16 GEMM uses (16, or Metal's 8).
+pub fn has_f16(props: &[wgpu::CooperativeMatrixProperties], n: u32) -> bool {
     props.iter().any(|p| {
-        p.m_size == 16
-            && p.n_size == 16
-            && p.k_size == 16
-            && p.ab_type == wgpu::CooperativeScalarType::F16
-            && p.cr_type == wgpu::CooperativeScalarType::F32
+        p.m_size == n && p.n_size == n && p.k_size == n && p.ab_type == wgpu::CooperativeScalarType::F16 && p.cr_type == wgpu::CooperativeScalarType::F32
     })
 }
 
@@ -156,48 +205,70 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs } => format!(
-            "gemm_f16[{}{}{}{}{}]",
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center } => format!(
+            "gemm_f16[{}{}{}{}{}{}]",
             fmt.describe(),
-            if *coop { " coop" } else { " fma" },
+            match (*coop, *m8) {
+                (true, true) => " coop8x8",
+                (true, false) => " coop",
+                _ => " fma",
+            },
             match hilo {
                 Hilo::Off => "",
                 Hilo::X => " hilo_x",
                 Hilo::Both => " hilo",
             },
             if *mt == 4 { " t128" } else { " t64" },
-            if *vs { " vs" } else { "" }
+            if *vs { " vs" } else { "" },
+            if *center { " centred" } else { "" }
         ),
-        KernelSpec::RowScale { xvec, lo } => format!("row_scale[{}{}]", if *xvec { "xvec" } else { "scalar" }, if *lo { " lo" } else { "" }),
+        KernelSpec::RowScale { xvec, lo, aug } => format!(
+            "row_scale[{}{}{}]",
+            if *xvec { "xvec" } else { "scalar" },
+            if *lo { " lo" } else { "" },
+            if *aug > 0 { format!(" sums{aug}") } else { String::new() }
+        ),
         _ => return None,
     })
 }
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs } => {
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center } => {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP])
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
                 .flag("X16", true)
                 .flag("COOP", coop)
+                .flag("M8", coop && m8)
                 .flag("HILO_X", hilo.x())
                 .flag("HILO_W", hilo.w())
-                .flag("VS", vs);
+                .flag("VS", vs)
+                .flag("CENTER", center);
             weight_source(s, fmt, false, false, false)
         }
-        KernelSpec::RowScale { xvec, lo } => Source::new(&[GEMM_COMMON, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo),
+        KernelSpec::RowScale { xvec, lo, aug } => {
+            Source::new(&[GEMM_COMMON, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo).flag("AUG", aug > 0).c("GS", aug.max(1))
+        }
         _ => return None,
     })
 }
 
 fn variants() -> Vec<KernelSpec> {
-    let mut v: Vec<KernelSpec> = [(false, false), (true, false), (true, true)].map(|(xvec, lo)| KernelSpec::RowScale { xvec, lo }).to_vec();
+    let mut v: Vec<KernelSpec> = [(false, false), (true, false), (true, true)].map(|(xvec, lo)| KernelSpec::RowScale { xvec, lo, aug: 0 }).to_vec();
+    for aug in [32, 64, 128] {
+        v.push(KernelSpec::RowScale { xvec: true, lo: true, aug });
+    }
     for fmt in all_formats() {
-        for coop in [false, true] {
+        for (coop, m8) in [(false, false), (true, false), (true, true)] {
             for (hilo, mt, vs) in [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true)] {
-                v.push(KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs });
+                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center: false });
+            }
+            if matches!(fmt, GpuFormat::Affine { .. }) {
+                for mt in [2, 4] {
+                    v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: Hilo::X, mt, vs: true, center: true });
+                }
             }
         }
     }

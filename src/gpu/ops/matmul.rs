@@ -414,10 +414,11 @@ impl Kernels {
             KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
-            if self.opts.coop != CoopMode::Off && n.is_none_or(|n| n * k >= gemm_f16::min_weight()) {
-                let (coop, hilo) = (self.opts.coop == CoopMode::Tensor, gemm_f16::hilo(fmt));
+            if self.opts.coop != CoopMode::Off && n.is_none_or(|n| gemm_f16::takes_f16(n, k, t)) {
+                let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt));
+                let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt) && k % 8 == 0 && gemm_f16::groups_fit(fmt, k);
                 let mt = gemm_f16::tile_mt(coop, hilo, n.unwrap_or(usize::MAX), t, self.limits.max_compute_workgroup_storage_size);
-                return Ok(KernelSpec::GemmF16 { fmt, coop, hilo, mt, vs: gemm_f16::vs() });
+                return Ok(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center });
             }
             let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
             KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
@@ -452,7 +453,11 @@ impl Kernels {
     /// The activations' pass of the f16 GEMM `mm` ([`KernelSpec::RowScale`]) over rows of `k`.
     pub fn row_scale(&self, mm: &MatMulKernel, k: usize) -> Result<Arc<Kernel>, GpuError> {
         let lo = matches!(mm.spec, KernelSpec::GemmF16 { hilo, .. } if hilo.x());
-        self.get(KernelSpec::RowScale { xvec: k % 4 == 0, lo })
+        let aug = match mm.spec {
+            KernelSpec::GemmF16 { fmt: GpuFormat::Affine { group, .. }, center: true, .. } => group,
+            _ => 0,
+        };
+        self.get(KernelSpec::RowScale { xvec: k % 4 == 0, lo, aug })
     }
 
     /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
@@ -798,7 +803,7 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
             cx.acc.scratch.push(b.clone());
             cx.acc.row_scales = Some(b);
         }
-        let bytes = gemm_f16::x16_bytes(rows, w.k, k.hilo());
+        let bytes = gemm_f16::x16_bytes(&k.spec, rows, w.k);
         if cx.acc.x16.as_ref().is_none_or(|b| b.size() < bytes) {
             let b = cx.gpu.try_storage("gemm.x16", bytes).map_err(|e| e.to_string())?;
             cx.acc.scratch.push(b.clone());
