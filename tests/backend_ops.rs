@@ -102,6 +102,7 @@ fn variant_names(op: &Op) -> &'static [&'static str] {
         Op::LayerNorm { .. } => &["layer_norm"],
         Op::Scatter => &["scatter"],
         Op::Conv2d { .. } => &["conv2d"],
+        Op::CumulativeGroupNorm { .. } => &["cumulative_group_norm"],
         Op::MaskRows => &["mask_rows"],
         Op::StridedRows { .. } => &["strided_rows"],
         Op::Glu => &["glu"],
@@ -867,18 +868,35 @@ fn vision(cs: &mut Cases) {
     }
 }
 
-/// The audio tower's ops at odd sizes: the subsampling conv (stride 2 with padding, stride 1
-/// without, one input channel and several), row masks of 2-D and 3-D values, strided rows of
+/// The audio towers' ops at odd sizes: the subsampling conv (stride 2 with padding, stride 1
+/// without, one input channel and several, Gemma 3n's rows padded only below), the cumulative
+/// group norm (one row, rows of one channel, large offsets), row masks of 2-D and 3-D values, strided rows of
 /// f32 and u32 values, GLU, the causal depthwise conv (clips shorter than its kernel), and the
 /// local attention (windows longer and shorter than the clip, masked keys, a query with no
 /// key, relative-position weights float and quantized).
 fn audio(cs: &mut Cases) {
-    for (h, w, c, o, k, stride, pad) in [(9usize, 13usize, 1usize, 5usize, 3usize, 2usize, 1usize), (7, 11, 6, 4, 3, 2, 1), (5, 6, 3, 3, 2, 1, 0), (1, 17, 2, 3, 3, 2, 1)] {
-        let desc = format!("x f32[{h}, {w}, {c}] w [{o}, {k}, {k}, {c}] stride {stride} pad {pad}");
+    let sym = |p: usize| [p, p];
+    for (h, w, c, o, k, stride, pad, time_pad) in [
+        (9usize, 13usize, 1usize, 5usize, 3usize, 2usize, 1usize, sym(1)),
+        (7, 11, 6, 4, 3, 2, 1, sym(1)),
+        (5, 6, 3, 3, 2, 1, 0, sym(0)),
+        (1, 17, 2, 3, 3, 2, 1, sym(1)),
+        (9, 13, 1, 5, 3, 2, 1, [0, 2]),
+        (6, 10, 4, 3, 3, 2, 1, [0, 2]),
+        (1, 7, 2, 3, 3, 2, 1, [0, 2]),
+    ] {
+        let desc = format!("x f32[{h}, {w}, {c}] w [{o}, {k}, {k}, {c}] stride {stride} pad {pad} time pad {time_pad:?}");
         cs.add("conv2d", desc, h, MATMUL, |cx| {
             let x = cx.b.act(&[h, w, c], 1.0);
             let wt = cx.b.weight("w", &[o, k, k, c], cx.vec, false);
-            (cx.b.op(Op::Conv2d { stride, pad }, &[x, wt]), x)
+            (cx.b.op(Op::Conv2d { stride, pad, time_pad }, &[x, wt]), x)
+        });
+    }
+    for (t, f, c, scale) in [(9usize, 7usize, 5usize, 1.0f32), (1, 64, 3, 2.0), (13, 3, 1, 1.0), (40, 32, 8, 8.0)] {
+        cs.add("cumulative_group_norm", format!("x f32[{t}, {f}, {c}] scale {scale}"), t, NORM, |cx| {
+            let x = cx.b.act(&[t, f, c], scale);
+            let w = cx.b.weight("norm", &[c], cx.vec, false);
+            (cx.b.op(Op::CumulativeGroupNorm { eps: 1e-3 }, &[x, w]), x)
         });
     }
     for shape in [vec![7usize, 45usize], vec![5, 3, 7], vec![1, 1031]] {
@@ -917,14 +935,16 @@ fn audio(cs: &mut Cases) {
             (cx.b.op(Op::DepthwiseConv1d, &[x, w]), x)
         });
     }
-    // (T, heads, D, window, relative-position channels, its format, masked keys)
-    for (t, heads, d, window, ch, fmt, masked) in [
-        (17usize, 2usize, 24usize, 12usize, 32usize, BF16, true),
-        (5, 3, 40, 12, 45, F32, false),
-        (30, 1, 128, 13, 128, quant(QuantMode::Affine, 4, 64, false), true),
-        (9, 2, 16, 5, 24, F16, true),
+    // (T, heads, D, window, relative-position channels, its format, masked keys, key scale:
+    // Gemma 4's, Gemma 3n's none)
+    for (t, heads, d, window, ch, fmt, masked, key_scale) in [
+        (17usize, 2usize, 24usize, 12usize, 32usize, BF16, true, 1.894_636_1f32),
+        (5, 3, 40, 12, 45, F32, false, 1.894_636_1),
+        (30, 1, 128, 13, 128, quant(QuantMode::Affine, 4, 64, false), true, 1.0),
+        (9, 2, 16, 5, 24, F16, true, 1.894_636_1),
+        (27, 2, 24, 13, 48, F32, true, 1.0),
     ] {
-        let desc = format!("q f32[{t}, {heads}, {d}] window {window} rel {} [{}, {ch}] masked {masked}", fmt_name(fmt), heads * d);
+        let desc = format!("q f32[{t}, {heads}, {d}] window {window} rel {} [{}, {ch}] masked {masked} key scale {key_scale}", fmt_name(fmt), heads * d);
         cs.add("audio_attention", desc, t, ATTENTION, |cx| {
             let [q, k, v] = [0; 3].map(|_| cx.b.act(&[t, heads, d], 1.0));
             if masked {
@@ -936,7 +956,7 @@ fn audio(cs: &mut Cases) {
             let pds = cx.b.weight("norm0", &[d], cx.vec, false);
             let rel = cx.b.weight("rel", &[heads * d, ch], fmt, true);
             cx.flops = (4 * t * window * heads * d) as f64;
-            (cx.b.op(Op::AudioAttention { window, softcap: 3.0 }, &[q, k, v, cx.b.tokens, pds, rel]), q)
+            (cx.b.op(Op::AudioAttention { window, softcap: 3.0, key_scale }, &[q, k, v, cx.b.tokens, pds, rel]), q)
         });
     }
 }
