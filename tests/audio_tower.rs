@@ -523,3 +523,40 @@ fn gemma3n_planted_padded_rows_in_slots() {
     let errs = run_inputs(fx, &cp, &refs, "tone1k_60f", g, &inputs, None);
     expect_divergence(fx, "tone1k_60f", "soft", &errs);
 }
+
+/// Gemma 3n's audio tensors get the loader's diagnostics: missing and mis-shaped tensors, by
+/// block and all at once, before any clip is encoded.
+#[test]
+fn gemma3n_missing_and_misshaped_audio_tensors_are_reported_by_block() {
+    let src = GEMMA3N.dir();
+    let dir = std::env::temp_dir().join(format!("markbase-audio3n-broken-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let gone = ["audio_tower.conformer.1.attention.attn.k_proj.weight", "embed_audio.hard_embedding_norm.weight"];
+    let conv = "audio_tower.subsample_conv_projection.conv_1.conv.weight";
+    let views: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !gone.contains(&n.as_str()))
+        .map(|(n, t)| {
+            if n != conv {
+                return (n, t);
+            }
+            // half the output channels
+            let s = t.shape();
+            let half = safetensors::tensor::TensorView::new(t.dtype(), vec![s[0] / 2, s[1], s[2], s[3]], &t.data()[..t.data().len() / 2]).unwrap();
+            (n, half)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let err = match markbase::audio::encode::AudioEncoder::open(&dir, markbase::model::DeviceKind::Cpu, false) {
+        Ok(_) => panic!("a broken tower opened"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("layer 1: attention.attn.k_proj.weight missing"), "{err}");
+    assert!(err.contains("embed_audio.hard_embedding_norm.weight missing"), "{err}");
+    assert!(err.contains("conv_1.conv.weight has shape [2, 3, 3, 8], expected [4, 3, 3, 8]"), "{err}");
+    std::fs::remove_dir_all(dir).ok();
+}
