@@ -802,6 +802,26 @@ fn perf_cases(cs: &mut Cases) {
         let (a, b) = (cx.b.act(&[64, 4096], 2.0), cx.b.act(&[64, 4096], 2.0));
         (cx.b.op(Op::Binary { f: BinaryOp::Add }, &[a, b]), a)
     });
+    // Gemma 3n's audio tower over a 30 s clip (2997 frames): the first subsampling conv, its
+    // cumulative group norm, and a block's attention (750 rows, 8 heads of 192, window 13)
+    cs.add("conv2d", "perf x f32[2997, 128, 1] w [128, 3, 3, 1] stride 2 time pad [0, 2]".into(), 2997, MATMUL, |cx| {
+        let x = cx.b.act(&[2997, 128, 1], 3.0);
+        let wt = cx.b.weight("w", &[128, 3, 3, 1], BF16, false);
+        cx.flops = 2.0 * (1499 * 64 * 128 * 9) as f64;
+        (cx.b.op(Op::Conv2d { stride: 2, pad: 1, time_pad: [0, 2] }, &[x, wt]), x)
+    });
+    cs.add("cumulative_group_norm", "perf x f32[1499, 64, 128]".into(), 1499, NORM, |cx| {
+        let x = cx.b.act(&[1499, 64, 128], 3.0);
+        let w = cx.b.weight("norm", &[128], BF16, false);
+        (cx.b.op(Op::CumulativeGroupNorm { eps: 1e-3 }, &[x, w]), x)
+    });
+    cs.add("audio_attention", "perf q f32[750, 8, 192] window 13 rel bf16 [1536, 1536]".into(), 750, ATTENTION, |cx| {
+        let [q, k, v] = [0; 3].map(|_| cx.b.act(&[750, 8, 192], 1.0));
+        let pds = cx.b.weight("norm0", &[192], BF16, false);
+        let rel = cx.b.weight("rel", &[1536, 1536], BF16, true);
+        cx.flops = (4 * 750 * 13 * 1536) as f64;
+        (cx.b.op(Op::AudioAttention { window: 13, softcap: 50.0, key_scale: 1.0 }, &[q, k, v, cx.b.tokens, pds, rel]), q)
+    });
 }
 
 /// The vision towers' ops: clamps with scalar bounds of each dtype, 2-D RoPE, bidirectional
@@ -870,7 +890,8 @@ fn vision(cs: &mut Cases) {
 
 /// The audio towers' ops at odd sizes: the subsampling conv (stride 2 with padding, stride 1
 /// without, one input channel and several, Gemma 3n's rows padded only below), the cumulative
-/// group norm (one row, rows of one channel, large offsets), row masks of 2-D and 3-D values, strided rows of
+/// group norm (one row, rows of one channel, large offsets, many rows of 8192 values, 1499
+/// rows), row masks of 2-D and 3-D values, strided rows of
 /// f32 and u32 values, GLU, the causal depthwise conv (clips shorter than its kernel), and the
 /// local attention (windows longer and shorter than the clip, masked keys, a query with no
 /// key, relative-position weights float and quantized).
@@ -892,7 +913,7 @@ fn audio(cs: &mut Cases) {
             (cx.b.op(Op::Conv2d { stride, pad, time_pad }, &[x, wt]), x)
         });
     }
-    for (t, f, c, scale) in [(9usize, 7usize, 5usize, 1.0f32), (1, 64, 3, 2.0), (13, 3, 1, 1.0), (40, 32, 8, 8.0)] {
+    for (t, f, c, scale) in [(9usize, 7usize, 5usize, 1.0f32), (1, 64, 3, 2.0), (13, 3, 1, 1.0), (40, 32, 8, 8.0), (300, 64, 128, 3.0), (1499, 8, 8, 3.0)] {
         cs.add("cumulative_group_norm", format!("x f32[{t}, {f}, {c}] scale {scale}"), t, NORM, |cx| {
             let x = cx.b.act(&[t, f, c], scale);
             let w = cx.b.weight("norm", &[c], cx.vec, false);

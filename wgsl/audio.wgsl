@@ -2,9 +2,12 @@
 //   CONV2D:  dense 2-D convolution of x[h, w, c] by wt[o, kh, kw, c] (dtype WDT), `pad` zeros
 //            left and right, `pad_top` above (those below implied by ho), `stride` both ways,
 //            into out[ho, wo, o]; one invocation per output
-//   CGN:     Gemma 3n's cumulative group norm of x[h, row] (row = F C, channel last) by wt[c]
-//            (WDT): row t normalised by the mean of rows 0..t and the running sum of each
-//            row's squared deviations from its own mean; one workgroup, the rows in turn
+//   CGN_SUM, CGN_SQ, CGN: Gemma 3n's cumulative group norm of x[h, row] (row = F C, channel
+//            last) by wt[c] (WDT), one workgroup per row in three passes: CGN_SUM writes each
+//            row's sum to out[t] (the row statistics buffer), CGN_SQ each row's squared
+//            deviations from its running mean (the sum of rows 0..t over (t + 1) row) to
+//            out[h + t], CGN normalises row t by that mean and the running sum of the
+//            squared deviations (stats: the statistics buffer)
 //   MASK:    out = x, rows (row values each) whose valid word is 0 set to zero
 //   STRIDED: rows 0, stride, 2 stride, .. of x (row words each; f32 or u32 alike)
 //   GLU:     out[r, i] = a / (1 + exp(-b)), a = x[r, i], b = x[r, row + i] (row = C)
@@ -18,7 +21,7 @@
 //
 // Prelude consts: WG, WDT (CONV2D, CGN, DWCONV), PDT (ATTN) (0 bf16, 1 f16, 2 f32). Flags: one op
 // flag.
-// Bindings: 0 params, 1 x (ATTN: q), 2 out, then CONV2D, CGN 3 wt; MASK 3 valid; DWCONV 3 wt; ATTN
+// Bindings: 0 params, 1 x (ATTN: q), 2 out, then CONV2D 3 wt; CGN 3 wt 4 stats; MASK 3 valid; DWCONV 3 wt; ATTN
 // 3 k 4 v 5 valid 6 per_dim_scale 7 R.
 
 struct Params {
@@ -54,6 +57,9 @@ struct Params {
 //#endif
 //#if CONV2D || DWCONV || CGN
 @group(0) @binding(3) var<storage, read> wt: array<u32>;
+//#endif
+//#if CGN
+@group(0) @binding(4) var<storage, read> stats: array<f32>;
 //#endif
 //#if MASK
 @group(0) @binding(3) var<storage, read> valid: array<u32>;
@@ -106,31 +112,63 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 }
 //#endif
 
+//#if CGN_SUM || CGN_SQ || CGN
+// Value i of the row statistics (CGN_SQ: its own output buffer).
+fn stat(i: u32) -> f32 {
 //#if CGN
+    return stats[i];
+//#else
+    return out[i];
+//#endif
+}
+
+// The sum of rows 0..=t of the statistics from base on (the running sum of a per-row one).
+fn prefix(base: u32, t: u32) -> f32 {
+    var s = 0.0;
+    for (var j = g_lid; j <= t; j += WG) {
+        s += stat(base + j);
+    }
+    return wg_sum(s);
+}
+
 @compute @workgroup_size(WG)
-fn main(@builtin(local_invocation_index) lid: u32) {
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
     init_ids(lid, 0u, 0u, 1u);
-    var sum = 0.0;
-    var sq = 0.0;
-    for (var t = 0u; t < p.h; t++) {
+    for (var t = wid.y * nwg.x + wid.x; t < p.h; t += nwg.x * nwg.y) {
         let base = t * p.row;
         let n = f32(t + 1u) * f32(p.row);
+//#if CGN_SUM
         var s = 0.0;
         for (var i = lid; i < p.row; i += WG) {
             s += x[base + i];
         }
-        sum += wg_sum(s);
-        let mean = sum / n;
+        let total = wg_sum(s);
+        if lid == 0u {
+            out[t] = total;
+        }
+//#else
+        let mean = prefix(0u, t) / n;
+//#if CGN_SQ
         var s2 = 0.0;
         for (var i = lid; i < p.row; i += WG) {
             let d = x[base + i] - mean;
             s2 += d * d;
         }
-        sq += wg_sum(s2);
-        let inv = 1.0 / sqrt(sq / n + p.eps);
+        let total = wg_sum(s2);
+        if lid == 0u {
+            out[p.h + t] = total;
+        }
+//#else
+        let inv = 1.0 / sqrt(prefix(p.h, t) / n + p.eps);
         for (var i = lid; i < p.row; i += WG) {
             out[base + i] = (x[base + i] - mean) * inv * wt_at(i % p.c);
         }
+//#endif
+//#endif
     }
 }
 //#endif

@@ -16,7 +16,7 @@ const AUDIO: &str = include_str!("../../../wgsl/audio.wgsl");
 
 /// Invocations of the attention kernel (one workgroup per query and head).
 const ATTN_WG: u32 = 64;
-/// Invocations of the cumulative group norm (one workgroup, the rows in turn).
+/// Invocations of the cumulative group norm's passes (one workgroup per row).
 const CGN_WG: u32 = 256;
 
 /// Largest head dim and window of the attention kernel (its workgroup arrays).
@@ -28,7 +28,10 @@ pub const MAX_AUDIO_WINDOW: usize = 256;
 pub enum AudioKernel {
     /// The kernel's dtype.
     Conv2d { w: FloatType },
-    /// The norm weight's dtype.
+    /// The cumulative group norm's passes: each row's sum, each row's squared deviations
+    /// from its running mean, the normalisation (the norm weight's dtype).
+    CgnSum,
+    CgnSq,
     CumulativeGroupNorm { w: FloatType },
     MaskRows,
     StridedRows,
@@ -45,6 +48,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
     let KernelSpec::Audio(a) = spec else { return None };
     Some(match a {
         AudioKernel::Conv2d { w } => format!("conv2d[{}]", w.name()),
+        AudioKernel::CgnSum => "cumulative_group_norm_sum".into(),
+        AudioKernel::CgnSq => "cumulative_group_norm_sq".into(),
         AudioKernel::CumulativeGroupNorm { w } => format!("cumulative_group_norm[{}]", w.name()),
         AudioKernel::MaskRows => "mask_rows".into(),
         AudioKernel::StridedRows => "strided_rows".into(),
@@ -59,6 +64,8 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     let src = Source::new(&[COMMON, AUDIO]);
     Some(match a {
         AudioKernel::Conv2d { w } => src.c("WG", ELEM_WG).c("WDT", dt_code(w)).flag("CONV2D", true),
+        AudioKernel::CgnSum => src.c("WG", CGN_WG).flag("CGN_SUM", true),
+        AudioKernel::CgnSq => src.c("WG", CGN_WG).flag("CGN_SQ", true),
         AudioKernel::CumulativeGroupNorm { w } => src.c("WG", CGN_WG).c("WDT", dt_code(w)).flag("CGN", true),
         AudioKernel::MaskRows => src.c("WG", ELEM_WG).flag("MASK", true),
         AudioKernel::StridedRows => src.c("WG", ELEM_WG).flag("STRIDED", true),
@@ -72,6 +79,8 @@ fn variants() -> Vec<KernelSpec> {
     [
         AudioKernel::Conv2d { w: FloatType::Bf16 },
         AudioKernel::Conv2d { w: FloatType::F32 },
+        AudioKernel::CgnSum,
+        AudioKernel::CgnSq,
         AudioKernel::CumulativeGroupNorm { w: FloatType::Bf16 },
         AudioKernel::CumulativeGroupNorm { w: FloatType::F32 },
         AudioKernel::MaskRows,
@@ -144,7 +153,8 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::CumulativeGroupNorm { eps } => {
             let (w, wt) = cx.vec_weight(1)?;
             let p = AudioParams { h: shape[0] as u32, row: row(&shape) as u32, c: cx.node.ty.last() as u32, eps: *eps, ..Default::default() };
-            (AudioKernel::CumulativeGroupNorm { w: wt }, p, vec![(3, w)], grid(1, maxg))
+            let stats = row_stats(cx, &p)?;
+            (AudioKernel::CumulativeGroupNorm { w: wt }, p, vec![(3, w), (4, stats)], grid(shape[0] as u64, maxg))
         }
         Op::MaskRows => {
             let p = AudioParams { n: numel as u32, row: row(&shape) as u32, ..Default::default() };
@@ -177,6 +187,22 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         _ => return Err(cx.not_ours("audio")),
     };
     cx.push_one(KernelSpec::Audio(spec), bytemuck::bytes_of(&params), &binds, groups)
+}
+
+/// The first two passes of a cumulative group norm (`p`: its params): a scratch buffer of
+/// `2·T` values, each row's sum, then each row's squared deviations from its running mean.
+fn row_stats(cx: &mut LowerCtx, p: &AudioParams) -> Result<wgpu::Buffer, String> {
+    let stats = cx.gpu.try_storage(&format!("row statistics of {}", cx.node.name), (2 * p.h as u64 * 4).max(4)).map_err(|e| e.to_string())?;
+    cx.acc.scratch.push(stats.clone());
+    let x = cx.input(0)?;
+    let groups = grid(p.h as u64, cx.kernels.maxg());
+    for spec in [AudioKernel::CgnSum, AudioKernel::CgnSq] {
+        let kernel = cx.kernels.get(KernelSpec::Audio(spec)).map_err(cx.kerr())?;
+        let pb = cx.uni(bytemuck::bytes_of(p))?;
+        let bg = kernel.bind_buffers(cx.dev(), &[(0, &pb), (1, &x), (2, &stats)]);
+        cx.push(kernel, bg, groups);
+    }
+    Ok(stats)
 }
 
 /// The relative position embeddings of an audio attention, `R[dist] = rel · timing(dist)`
