@@ -396,6 +396,8 @@ fn gemma3n_audio_config_and_tensors() {
     assert!(cp.audio_tower_graph(&ac, 2997).is_ok());
     let e = cp.audio_tower_graph(&ac, 3009).unwrap_err().to_string();
     assert!(e.contains("over the 188"), "{e}");
+    let shown = markbase::inspect::inspect(&GEMMA3N.dir()).to_string();
+    assert!(shown.contains("audio tower: Gemma 3n conformer of 2 blocks, 53 tensors"), "{shown}");
 }
 
 /// Our features of the speech WAV (not HF's) through the tower: every intermediate still

@@ -19,6 +19,15 @@ pub enum AudioKind {
     Gemma3n,
 }
 
+impl AudioKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            AudioKind::Gemma4 => "Gemma 4",
+            AudioKind::Gemma3n => "Gemma 3n",
+        }
+    }
+}
+
 /// An audio tower's and its projector's configuration (`audio_config`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct AudioConfig {

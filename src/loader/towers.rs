@@ -83,8 +83,10 @@ pub struct TowerSummary {
     pub soft_tokens: usize,
     /// Audio tower tensors, listed.
     pub audio_tensors: Vec<String>,
-    /// Conformer blocks of the audio tower, where the engine runs it (Gemma 4's, Gemma 3n's).
+    /// Conformer blocks of the audio tower, where the engine runs it (Gemma 4's, Gemma 3n's),
+    /// and which tower it is.
     pub audio_layers: Option<usize>,
+    pub audio_tower: Option<&'static str>,
 }
 
 impl Checkpoint {
@@ -231,6 +233,7 @@ impl Checkpoint {
         let mut s = TowerSummary {
             audio_tensors: self.audio_tensors().iter().map(|n| n.to_string()).collect(),
             audio_layers: self.audio_config().ok().flatten().map(|a| a.layers),
+            audio_tower: self.audio_config().ok().flatten().map(|a| a.kind.name()),
             ..Default::default()
         };
         let Ok(Some(vc)) = self.vision_config() else { return s };
