@@ -485,6 +485,21 @@ fn gemma3n_planted_group_norm_variant() {
     });
 }
 
+/// The cumulative group norm's eps (`sscp_conv_group_norm_eps`, 1e-3) taken as the blocks'
+/// `rms_norm_eps` (1e-6).
+#[test]
+fn gemma3n_planted_group_norm_eps() {
+    must_diverge(&GEMMA3N, "speech_16k", "sscp0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::CumulativeGroupNorm { eps } => {
+                *eps = 1e-6;
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
 /// The subsampling convs padded symmetrically in time (Gemma 4's) instead of 0 above, 2 below.
 #[test]
 fn gemma3n_planted_symmetric_time_padding() {
