@@ -388,7 +388,7 @@ impl fmt::Display for InspectReport {
             }
             match (t.audio_layers, t.audio_tensors.len()) {
                 (_, 0) => {}
-                (Some(l), n) => writeln!(f, "audio tower: Gemma 4 conformer of {l} blocks, {n} tensors")?,
+                (Some(l), n) => writeln!(f, "audio tower: {} conformer of {l} blocks, {n} tensors", t.audio_tower.unwrap_or("a"))?,
                 (None, n) => writeln!(f, "audio tower: {n} tensors, not used (this audio tower is not supported)")?,
             }
         } else if self.tower_tensors > 0 {

@@ -1,11 +1,13 @@
-//! Gemma 4's audio tower as a compiled graph against mlx-vlm's (the tiny tower of
-//! `tools/make_audio_tower_fixtures.py`), intermediate by intermediate on the CPU reference
-//! executor and on the GPU: the subsampling convs, the input projection, each conformer block, the output
-//! projection and the soft tokens. A divergence names the first intermediate past its bound.
+//! The audio towers as compiled graphs against mlx-vlm's (the tiny towers of
+//! `tools/make_audio_tower_fixtures.py`, Gemma 4, and `tools/make_gemma3n_audio_fixtures.py`,
+//! Gemma 3n), intermediate by intermediate on the CPU reference executor and on the GPU: the
+//! subsampling convs, the input projection, each conformer block, the tower's output and the
+//! soft tokens. A divergence names the first intermediate past its bound.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use markbase::audio::encode::slot_inputs;
 use markbase::cpu::exec::{self, CpuState, CpuWeights, StepInputs};
 use markbase::graph::ir::{Graph, NodeKind};
 use markbase::graph::ops::{Op, UnaryOp};
@@ -16,19 +18,41 @@ use markbase::loader::Checkpoint;
 
 mod common;
 
-fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/audio_tower/gemma4")
+/// A tiny tower fixture: its directory, clips and bounds.
+struct Fixture {
+    dir: &'static str,
+    clips: [&'static str; 2],
+    /// CPU and GPU bounds, in model order.
+    bounds: &'static [(&'static str, f32)],
+    gpu_bounds: &'static [(&'static str, f32)],
+    /// Row masks the graph outputs and the references they equal.
+    masks: &'static [(&'static str, &'static str)],
 }
 
-const CLIPS: [&str; 2] = ["speech_16k", "tone1k_48k_s24"];
+impl Fixture {
+    fn dir(&self) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/audio_tower").join(self.dir)
+    }
+
+    fn checkpoint(&self) -> Checkpoint {
+        Checkpoint::open(self.dir()).unwrap()
+    }
+
+    fn refs(&self) -> Refs {
+        Refs(std::fs::read(self.dir().join("ref.safetensors")).unwrap())
+    }
+}
+
+const GEMMA4: Fixture = Fixture { dir: "gemma4", clips: ["speech_16k", "tone1k_48k_s24"], bounds: &BOUNDS, gpu_bounds: &GPU_BOUNDS, masks: &[("valid_rows", "sscp_valid")] };
+const GEMMA3N: Fixture = Fixture { dir: "gemma3n", clips: ["speech_16k", "tone1k_60f"], bounds: &BOUNDS_3N,
+    gpu_bounds: &GPU_BOUNDS_3N,
+    masks: &[("sscp_valid", "sscp_valid"), ("valid_rows", "valid_rows")],
+};
 
 /// The references: `<clip>.<name>` as f32 (u8 masks widened).
 struct Refs(Vec<u8>);
 
 impl Refs {
-    fn open() -> Refs {
-        Refs(std::fs::read(dir().join("ref.safetensors")).unwrap())
-    }
 
     fn get(&self, name: &str) -> Vec<f32> {
         let st = safetensors::SafeTensors::deserialize(&self.0).unwrap();
@@ -60,10 +84,29 @@ const BOUNDS: [(&str, f32); 7] = [
     ("soft", 1e-5),      // [1.0e-6]
 ];
 
-/// The tower of the fixture over one clip on the CPU: each intermediate's error, in
-/// [`BOUNDS`] order.
-fn run_clip(cp: &Checkpoint, refs: &Refs, clip: &str, bug: Option<Bug>) -> Vec<(&'static str, f32)> {
-    let (g, features, valid) = graph(cp, refs, clip);
+/// A clip's tower inputs: the features, the frame mask and (Gemma 3n) the slots' rows and
+/// sources.
+struct Inputs {
+    features: Vec<f32>,
+    valid: Vec<u32>,
+    ids: Vec<u32>,
+    index: Vec<u32>,
+}
+
+impl Inputs {
+    fn step(&self) -> StepInputs<'_> {
+        StepInputs { features: &self.features, audio_valid: &self.valid, tokens: &self.ids, soft_index: &self.index, ..Default::default() }
+    }
+}
+
+/// The tower of the fixture over one clip on the CPU: each intermediate's error, in bounds
+/// order.
+fn run_clip(fx: &Fixture, cp: &Checkpoint, refs: &Refs, clip: &str, bug: Option<Bug>) -> Vec<(&'static str, f32)> {
+    let (g, inputs) = graph(cp, refs, clip);
+    run_inputs(fx, cp, refs, clip, g, &inputs, bug)
+}
+
+fn run_inputs(fx: &Fixture, cp: &Checkpoint, refs: &Refs, clip: &str, g: Graph, inputs: &Inputs, bug: Option<Bug>) -> Vec<(&'static str, f32)> {
     let (w, rep) = cp.load_audio_tower(&g).unwrap();
     assert!(rep.is_empty(), "{rep}");
     let mut g = g;
@@ -72,17 +115,18 @@ fn run_clip(cp: &Checkpoint, refs: &Refs, clip: &str, bug: Option<Bug>) -> Vec<(
         assert!(changed > 0, "the planted bug changes nothing");
     }
     let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
-    let step = StepInputs { features: &features, audio_valid: &valid, ..Default::default() };
-    let out = exec::run(&c, &mut CpuWeights::new(Arc::new(w)), &mut CpuState::default(), &step).unwrap();
-    errors(refs, clip, out["valid_rows"].u(), |what| out[what].f().to_vec())
+    let out = exec::run(&c, &mut CpuWeights::new(Arc::new(w)), &mut CpuState::default(), &inputs.step()).unwrap();
+    errors(fx, refs, clip, |what| out[what].u().to_vec(), |what| out[what].f().to_vec())
 }
 
-/// Checks the valid rows against the reference and returns each intermediate's error, in
-/// [`BOUNDS`] order (`value`: an intermediate by name).
-fn errors(refs: &Refs, clip: &str, valid_rows: &[u32], value: impl Fn(&str) -> Vec<f32>) -> Vec<(&'static str, f32)> {
-    let rows: Vec<f32> = valid_rows.iter().map(|&v| v as f32).collect();
-    assert_eq!(rows, refs.get(&format!("{clip}.sscp_valid")), "{clip}: valid rows");
-    BOUNDS
+/// Checks the row masks (`mask`: by name) against the reference and returns each
+/// intermediate's error, in bounds order (`value`: an intermediate by name).
+fn errors(fx: &Fixture, refs: &Refs, clip: &str, mask: impl Fn(&str) -> Vec<u32>, value: impl Fn(&str) -> Vec<f32>) -> Vec<(&'static str, f32)> {
+    for &(what, want) in fx.masks {
+        let got: Vec<f32> = mask(what).iter().map(|&v| v as f32).collect();
+        assert_eq!(got, refs.get(&format!("{clip}.{want}")), "{clip}: {what}");
+    }
+    fx.bounds
         .iter()
         .map(|&(what, _)| {
             let got = value(what);
@@ -92,42 +136,56 @@ fn errors(refs: &Refs, clip: &str, valid_rows: &[u32], value: impl Fn(&str) -> V
         .collect()
 }
 
-/// The tower graph of the fixture over one clip, the clip's features and frame mask. The
-/// features of padded frames (zeros in the reference's input) are garbled: the tower masks
-/// them, so the references still hold.
-fn graph(cp: &Checkpoint, refs: &Refs, clip: &str) -> (Graph, Vec<f32>, Vec<u32>) {
+/// The tower graph of the fixture over one clip and its inputs. Gemma 4: the features of
+/// padded frames (zeros in the reference's input) are garbled: the tower masks them, so the
+/// references still hold. Gemma 3n reads every frame (HF's features of the padding).
+fn graph(cp: &Checkpoint, refs: &Refs, clip: &str) -> (Graph, Inputs) {
     let ac = cp.audio_config().unwrap().expect("the fixture has an audio tower");
     let mut features = refs.get(&format!("{clip}.features"));
     let valid: Vec<u32> = refs.get(&format!("{clip}.valid")).iter().map(|&v| v as u32).collect();
-    for (row, _) in features.chunks_mut(ac.features).zip(&valid).filter(|(_, &v)| v == 0) {
-        row.iter_mut().enumerate().for_each(|(i, x)| *x = 3.0 - (i % 7) as f32);
+    if ac.kind == markbase::graph::audio::AudioKind::Gemma4 {
+        for (row, _) in features.chunks_mut(ac.features).zip(&valid).filter(|(_, &v)| v == 0) {
+            row.iter_mut().enumerate().for_each(|(i, x)| *x = 3.0 - (i % 7) as f32);
+        }
     }
-    (cp.audio_tower_graph(&ac, valid.len()).unwrap(), features, valid)
+    tower_inputs(cp, features, valid)
+}
+
+/// The tower graph for `features` and `valid`, and its inputs.
+fn tower_inputs(cp: &Checkpoint, features: Vec<f32>, valid: Vec<u32>) -> (Graph, Inputs) {
+    let ac = cp.audio_config().unwrap().expect("the fixture has an audio tower");
+    let real: Vec<bool> = valid.iter().step_by(4 * ac.reduction).map(|&v| v != 0).collect();
+    let (ids, index) = slot_inputs(&ac, &real);
+    (cp.audio_tower_graph(&ac, valid.len()).unwrap(), Inputs { features, valid, ids, index })
 }
 
 /// The first intermediate past its bound, as a message.
-fn first_divergence(clip: &str, errs: &[(&str, f32)]) -> Option<String> {
-    errs.iter().zip(BOUNDS).find(|((_, e), (_, b))| e > b).map(|((what, e), (_, b))| format!("{clip}: diverges at {what}: {e:.2e} > {b:.0e}"))
+fn first_divergence(fx: &Fixture, clip: &str, errs: &[(&str, f32)]) -> Option<String> {
+    errs.iter().zip(fx.bounds).find(|((_, e), (_, b))| e > b).map(|((what, e), (_, b))| format!("{clip}: diverges at {what}: {e:.2e} > {b:.0e}"))
 }
 
-#[test]
-fn gemma4_audio_tower_matches_mlx_vlm_on_the_cpu() {
-    let cp = Checkpoint::open(dir()).unwrap();
-    let refs = Refs::open();
-    for clip in CLIPS {
-        let errs = run_clip(&cp, &refs, clip, None);
+fn matches_on_the_cpu(fx: &Fixture) {
+    let cp = fx.checkpoint();
+    let refs = fx.refs();
+    for clip in fx.clips {
+        let errs = run_clip(fx, &cp, &refs, clip, None);
         for (what, e) in &errs {
             println!("cpu {clip} {what}: {e:.2e}");
         }
-        if let Some(m) = first_divergence(clip, &errs) {
+        if let Some(m) = first_divergence(fx, clip, &errs) {
             panic!("{m}");
         }
     }
 }
 
 #[test]
+fn gemma4_audio_tower_matches_mlx_vlm_on_the_cpu() {
+    matches_on_the_cpu(&GEMMA4);
+}
+
+#[test]
 fn the_audio_check_finds_every_tensor() {
-    let cp = Checkpoint::open(dir()).unwrap();
+    let cp = GEMMA4.checkpoint();
     let ac = cp.audio_config().unwrap().unwrap();
     assert_eq!((ac.hidden, ac.layers, ac.heads, ac.window, ac.conv_channels), (64, 2, 2, 12, [16, 8]));
     let r = cp.check_audio(&ac);
@@ -151,11 +209,19 @@ fn rewrite(g: &mut Graph, f: impl Fn(&str, &mut Op) -> bool) -> usize {
         .count()
 }
 
-/// With `bug` planted, the comparison of `clip` must fail, first at `stage`.
+/// With `bug` planted, the comparison of `clip` of Gemma 4's fixture must fail, first at
+/// `stage`.
 fn must_diverge_at(clip: &str, stage: &str, bug: Bug) {
-    let cp = Checkpoint::open(dir()).unwrap();
-    let errs = run_clip(&cp, &Refs::open(), clip, Some(bug));
-    match first_divergence(clip, &errs) {
+    must_diverge(&GEMMA4, clip, stage, bug);
+}
+
+fn must_diverge(fx: &Fixture, clip: &str, stage: &str, bug: Bug) {
+    let errs = run_clip(fx, &fx.checkpoint(), &fx.refs(), clip, Some(bug));
+    expect_divergence(fx, clip, stage, &errs);
+}
+
+fn expect_divergence(fx: &Fixture, clip: &str, stage: &str, errs: &[(&str, f32)]) {
+    match first_divergence(fx, clip, errs) {
         Some(m) => {
             println!("{m}");
             assert!(m.contains(&format!("diverges at {stage}:")), "expected the first divergence at {stage}: {m}");
@@ -249,30 +315,265 @@ const GPU_BOUNDS: [(&str, f32); 7] = [
 
 /// The whole tower on the GPU (every op lowered to WGSL, NaN checks on) against mlx-vlm's
 /// intermediates; fails, never skips, without an adapter.
-#[test]
-fn gemma4_audio_tower_matches_mlx_vlm_on_the_gpu() {
-    let cp = Checkpoint::open(dir()).unwrap();
-    let refs = Refs::open();
+fn matches_on_the_gpu(fx: &Fixture) {
+    let cp = fx.checkpoint();
+    let refs = fx.refs();
     let mut failures = vec![];
-    for clip in CLIPS {
-        let (g, features, valid) = graph(&cp, &refs, clip);
+    for clip in fx.clips {
+        let (g, inputs) = graph(&cp, &refs, clip);
         assert!(markbase::gpu::ops::unsupported_op(&g).is_none(), "the GPU lowers every op of the tower");
         let (w, _) = cp.load_audio_tower(&g).unwrap();
         let c = compile(g, PhasePolicy::EmbedLayersHead).unwrap();
         let mut gpu = GpuExecutor::new(None, Arc::new(w), true).unwrap_or_else(|e| panic!("no GPU adapter: {e}"));
         let key = GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
-        let step = StepInputs { features: &features, audio_valid: &valid, ..Default::default() };
-        gpu.run(key, &c, &step, true).unwrap();
-        let mut read = |what: &str| gpu.read_output(key, &c, what).unwrap();
-        let valid_rows = read("valid_rows");
+        gpu.run(key, &c, &inputs.step(), true).unwrap();
+        let masks: std::collections::HashMap<&str, Vec<u32>> = fx.masks.iter().map(|&(what, _)| (what, gpu.read_output(key, &c, what).unwrap())).collect();
         let values: std::collections::HashMap<&str, Vec<f32>> =
-            BOUNDS.iter().map(|&(what, _)| (what, read(what).into_iter().map(f32::from_bits).collect())).collect();
-        for ((what, e), (_, bound)) in errors(&refs, clip, &valid_rows, |what| values[what].clone()).into_iter().zip(GPU_BOUNDS) {
+            fx.bounds.iter().map(|&(what, _)| (what, gpu.read_output(key, &c, what).unwrap().into_iter().map(f32::from_bits).collect())).collect();
+        for ((what, e), (_, bound)) in errors(fx, &refs, clip, |w| masks[w].clone(), |what| values[what].clone()).into_iter().zip(fx.gpu_bounds) {
             println!("gpu {clip} {what}: {e:.2e}");
-            if e > bound {
+            if e > *bound {
                 failures.push(format!("gpu {clip} {what}: {e:.2e} > {bound:.0e}"));
             }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn gemma4_audio_tower_matches_mlx_vlm_on_the_gpu() {
+    matches_on_the_gpu(&GEMMA4);
+}
+
+// ------------------------------------------------------------------ Gemma 3n
+
+/// Bounds of Gemma 3n's tower on the CPU, about 10x the error observed (in brackets: the
+/// largest seen over both clips, and over the speech clip from our own features of its WAV),
+/// in model order.
+const BOUNDS_3N: [(&str, f32); 8] = [
+    ("sscp0", 8e-6),     // [2.9e-7; WAV 7.3e-7]
+    ("sscp1", 8e-6),     // [2.5e-7; WAV 7.1e-7]
+    ("subsample", 5e-6), // [3.8e-7; WAV 5.0e-7]
+    ("block0", 8e-6),    // [6.0e-7; WAV 7.9e-7]
+    ("block1", 1e-5),    // [9.3e-7; WAV 6.6e-7]
+    ("encoder", 5e-6),   // [4.7e-7; WAV 4.8e-7]
+    ("embedded", 7e-6),  // [6.6e-7; WAV 7.0e-7]
+    ("soft", 7e-6),      // [6.6e-7; WAV 7.0e-7]
+];
+
+/// The same on the GPU (lavapipe in CI), about 10x the error observed there.
+const GPU_BOUNDS_3N: [(&str, f32); 8] = [
+    ("sscp0", 3e-6),     // [2.9e-7]
+    ("sscp1", 4e-6),     // [3.1e-7]
+    ("subsample", 5e-6), // [4.6e-7]
+    ("block0", 7e-6),    // [6.5e-7]
+    ("block1", 9e-6),    // [8.5e-7]
+    ("encoder", 6e-6),   // [5.7e-7]
+    ("embedded", 9e-6),  // [8.2e-7]
+    ("soft", 9e-6),      // [8.2e-7]
+];
+
+#[test]
+fn gemma3n_audio_tower_matches_mlx_vlm_on_the_cpu() {
+    matches_on_the_cpu(&GEMMA3N);
+}
+
+#[test]
+fn gemma3n_audio_tower_matches_mlx_vlm_on_the_gpu() {
+    matches_on_the_gpu(&GEMMA3N);
+}
+
+#[test]
+fn gemma3n_audio_config_and_tensors() {
+    let cp = GEMMA3N.checkpoint();
+    let ac = cp.audio_config().unwrap().unwrap();
+    assert_eq!((ac.hidden, ac.layers, ac.heads, ac.window, ac.conv_channels, ac.reduction), (48, 2, 2, 13, [8, 4], 4));
+    assert_eq!((ac.soft_slots, ac.vocab_size, ac.pad_row, ac.text_hidden), (188, 128, 127, 128));
+    let r = cp.check_audio(&ac);
+    assert!(r.is_empty(), "{r}");
+    // 30 s of audio (2997 frames) fills the 188 slots; one more frame does not fit
+    assert_eq!(ac.encoder_rows(2997), 188);
+    assert!(cp.audio_tower_graph(&ac, 2997).is_ok());
+    let e = cp.audio_tower_graph(&ac, 3009).unwrap_err().to_string();
+    assert!(e.contains("over the 188"), "{e}");
+    let shown = markbase::inspect::inspect(&GEMMA3N.dir()).to_string();
+    assert!(shown.contains("audio tower: Gemma 3n conformer of 2 blocks, 53 tensors"), "{shown}");
+}
+
+/// Our features of the speech WAV (not HF's) through the tower: every intermediate still
+/// matches mlx-vlm's within the bounds; with the pre-emphasis dropped they do not.
+#[test]
+fn gemma3n_wav_to_soft_tokens_and_planted_missing_preemphasis() {
+    use markbase::audio::{self, FeatureConfig, FeatureExtractor, Family, LoadOptions};
+    let fx = &GEMMA3N;
+    let cp = fx.checkpoint();
+    let refs = fx.refs();
+    let wav = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/audio/speech_16k.wav");
+    let samples = audio::load(&wav, &LoadOptions::default()).unwrap();
+    let run = |preemphasis: f64| {
+        let cfg = FeatureConfig { preemphasis, ..FeatureConfig::defaults(Family::Gemma3n) };
+        let f = FeatureExtractor::new(cfg).unwrap().extract(&samples).unwrap();
+        let (g, inputs) = tower_inputs(&cp, f.data, f.mask.iter().map(|&v| v as u32).collect());
+        run_inputs(fx, &cp, &refs, "speech_16k", g, &inputs, None)
+    };
+    let errs = run(0.97);
+    for (what, e) in &errs {
+        println!("wav {what}: {e:.2e}");
+    }
+    if let Some(m) = first_divergence(fx, "speech_16k", &errs) {
+        panic!("from the WAV: {m}");
+    }
+    let bad = run(0.0);
+    println!("no pre-emphasis: {bad:?}");
+    expect_divergence(fx, "speech_16k", "sscp0", &bad);
+}
+
+/// The attention's logits soft-capped at 5 instead of 50.
+#[test]
+fn gemma3n_planted_attention_softcap() {
+    must_diverge(&GEMMA3N, "speech_16k", "block0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::AudioAttention { softcap, .. } => {
+                *softcap = 5.0;
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
+/// Gemma 4's window (`conf_attention_context_left − 1` keys) instead of Gemma 3n's.
+#[test]
+fn gemma3n_planted_attention_window() {
+    must_diverge(&GEMMA3N, "speech_16k", "block0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::AudioAttention { window, .. } => {
+                *window -= 1;
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
+/// Gemma 4's key scaling (ln(1 + e) / ln 2) in Gemma 3n's attention.
+#[test]
+fn gemma3n_planted_key_scale() {
+    must_diverge(&GEMMA3N, "speech_16k", "block0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::AudioAttention { key_scale, .. } => {
+                *key_scale = 1.894_636_1;
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
+/// The cumulative group norm replaced by the per-frame channel LayerNorm of Gemma 4's
+/// subsampling.
+#[test]
+fn gemma3n_planted_group_norm_variant() {
+    must_diverge(&GEMMA3N, "speech_16k", "sscp0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::CumulativeGroupNorm { eps } => {
+                *op = Op::LayerNorm { eps: *eps };
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
+/// The cumulative group norm's eps (`sscp_conv_group_norm_eps`, 1e-3) taken as the blocks'
+/// `rms_norm_eps` (1e-6).
+#[test]
+fn gemma3n_planted_group_norm_eps() {
+    must_diverge(&GEMMA3N, "speech_16k", "sscp0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::CumulativeGroupNorm { eps } => {
+                *eps = 1e-6;
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
+/// The subsampling convs padded symmetrically in time (Gemma 4's) instead of 0 above, 2 below.
+#[test]
+fn gemma3n_planted_symmetric_time_padding() {
+    must_diverge(&GEMMA3N, "speech_16k", "sscp0", |g| {
+        rewrite(g, |_, op| match op {
+            Op::Conv2d { time_pad, .. } => {
+                *time_pad = [1, 1];
+                true
+            }
+            _ => false,
+        })
+    });
+}
+
+/// The padded encoder rows of the short clip not zeroed before `embed_audio`.
+#[test]
+fn gemma3n_planted_unmasked_encoder_rows() {
+    must_diverge(&GEMMA3N, "tone1k_60f", "embedded", |g| {
+        let find = |g: &Graph, name: &str| g.g.node_indices().find(|&i| g.g[i].name == name).unwrap();
+        let (reduced, enc, norm) = (find(g, "a.reduced"), find(g, "a.encoder"), find(g, "a.embedded_norm"));
+        let Some(e) = g.g.find_edge(enc, norm) else { return 0 };
+        let slot = g.g.remove_edge(e).unwrap();
+        g.g.add_edge(reduced, norm, slot);
+        1
+    });
+}
+
+/// The short clip's padded encoder rows given slots of their own (HF gives them the padding
+/// embedding): the soft tokens differ.
+#[test]
+fn gemma3n_planted_padded_rows_in_slots() {
+    let fx = &GEMMA3N;
+    let (cp, refs) = (fx.checkpoint(), fx.refs());
+    let (g, mut inputs) = graph(&cp, &refs, "tone1k_60f");
+    let rows = refs.get("tone1k_60f.valid_rows").len();
+    assert!(inputs.index[..rows].contains(&0), "the clip has padded encoder rows");
+    inputs.index[..rows].iter_mut().enumerate().for_each(|(i, s)| *s = i as u32 + 1);
+    let errs = run_inputs(fx, &cp, &refs, "tone1k_60f", g, &inputs, None);
+    expect_divergence(fx, "tone1k_60f", "soft", &errs);
+}
+
+/// Gemma 3n's audio tensors get the loader's diagnostics: missing and mis-shaped tensors, by
+/// block and all at once, before any clip is encoded.
+#[test]
+fn gemma3n_missing_and_misshaped_audio_tensors_are_reported_by_block() {
+    let src = GEMMA3N.dir();
+    let dir = std::env::temp_dir().join(format!("markbase-audio3n-broken-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let gone = ["audio_tower.conformer.1.attention.attn.k_proj.weight", "embed_audio.hard_embedding_norm.weight"];
+    let conv = "audio_tower.subsample_conv_projection.conv_1.conv.weight";
+    let views: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !gone.contains(&n.as_str()))
+        .map(|(n, t)| {
+            if n != conv {
+                return (n, t);
+            }
+            // half the output channels
+            let s = t.shape();
+            let half = safetensors::tensor::TensorView::new(t.dtype(), vec![s[0] / 2, s[1], s[2], s[3]], &t.data()[..t.data().len() / 2]).unwrap();
+            (n, half)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let err = match markbase::audio::encode::AudioEncoder::open(&dir, markbase::model::DeviceKind::Cpu, false) {
+        Ok(_) => panic!("a broken tower opened"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("layer 1: attention.attn.k_proj.weight missing"), "{err}");
+    assert!(err.contains("embed_audio.hard_embedding_norm.weight missing"), "{err}");
+    assert!(err.contains("conv_1.conv.weight has shape [2, 3, 3, 8], expected [4, 3, 3, 8]"), "{err}");
+    std::fs::remove_dir_all(dir).ok();
 }

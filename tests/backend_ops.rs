@@ -60,6 +60,9 @@ const MATMUL: Check = Check::Nmse(1e-10);
 // over up to 96 keys, 3e-11 over 4096 (perf mode)].
 const ATTENTION: Check = Check::Nmse(1e-10);
 
+#[path = "backend_ops/audio_cases.rs"]
+mod audio_cases;
+
 // ------------------------------------------------------------------ op list
 
 /// The op names each variant of `Op` stands for. No wildcard arm: a new variant does not
@@ -102,6 +105,7 @@ fn variant_names(op: &Op) -> &'static [&'static str] {
         Op::LayerNorm { .. } => &["layer_norm"],
         Op::Scatter => &["scatter"],
         Op::Conv2d { .. } => &["conv2d"],
+        Op::CumulativeGroupNorm { .. } => &["cumulative_group_norm"],
         Op::MaskRows => &["mask_rows"],
         Op::StridedRows { .. } => &["strided_rows"],
         Op::Glu => &["glu"],
@@ -801,6 +805,7 @@ fn perf_cases(cs: &mut Cases) {
         let (a, b) = (cx.b.act(&[64, 4096], 2.0), cx.b.act(&[64, 4096], 2.0));
         (cx.b.op(Op::Binary { f: BinaryOp::Add }, &[a, b]), a)
     });
+    audio_cases::audio_perf(cs);
 }
 
 /// The vision towers' ops: clamps with scalar bounds of each dtype, 2-D RoPE, bidirectional
@@ -867,80 +872,6 @@ fn vision(cs: &mut Cases) {
     }
 }
 
-/// The audio tower's ops at odd sizes: the subsampling conv (stride 2 with padding, stride 1
-/// without, one input channel and several), row masks of 2-D and 3-D values, strided rows of
-/// f32 and u32 values, GLU, the causal depthwise conv (clips shorter than its kernel), and the
-/// local attention (windows longer and shorter than the clip, masked keys, a query with no
-/// key, relative-position weights float and quantized).
-fn audio(cs: &mut Cases) {
-    for (h, w, c, o, k, stride, pad) in [(9usize, 13usize, 1usize, 5usize, 3usize, 2usize, 1usize), (7, 11, 6, 4, 3, 2, 1), (5, 6, 3, 3, 2, 1, 0), (1, 17, 2, 3, 3, 2, 1)] {
-        let desc = format!("x f32[{h}, {w}, {c}] w [{o}, {k}, {k}, {c}] stride {stride} pad {pad}");
-        cs.add("conv2d", desc, h, MATMUL, |cx| {
-            let x = cx.b.act(&[h, w, c], 1.0);
-            let wt = cx.b.weight("w", &[o, k, k, c], cx.vec, false);
-            (cx.b.op(Op::Conv2d { stride, pad }, &[x, wt]), x)
-        });
-    }
-    for shape in [vec![7usize, 45usize], vec![5, 3, 7], vec![1, 1031]] {
-        let t = shape[0];
-        cs.add("mask_rows", format!("x f32{shape:?} every third row masked"), t, EXACT, |cx| {
-            let x = cx.b.act(&shape, 1.0);
-            for i in (0..t).step_by(3) {
-                cx.tokens[i] = 0;
-            }
-            (cx.b.op(Op::MaskRows, &[x, cx.b.tokens]), x)
-        });
-    }
-    for (shape, stride) in [(vec![9usize, 13usize], 2usize), (vec![7, 3, 5], 3), (vec![1, 4], 2)] {
-        let t = shape[0];
-        cs.add("strided_rows", format!("x f32{shape:?} stride {stride}"), t, EXACT, |cx| {
-            let x = cx.b.act(&shape, 1.0);
-            (cx.b.op(Op::StridedRows { stride }, &[x]), x)
-        });
-    }
-    for t in [11usize, 1] {
-        cs.add("strided_rows", format!("ids u32[{t}] stride 2"), t, Check::Exact, |cx| {
-            let x = cx.b.act(&[t, 3], 1.0);
-            (cx.b.op(Op::StridedRows { stride: 2 }, &[cx.b.tokens]), x)
-        });
-    }
-    for (t, c) in [(5usize, 45usize), (1, 1031), (3, 1)] {
-        cs.add("glu", format!("x f32[{t}, {}]", 2 * c), t, TRANSCENDENTAL, |cx| {
-            let x = cx.b.act(&[t, 2 * c], 3.0);
-            (cx.b.op(Op::Glu, &[x]), x)
-        });
-    }
-    for (t, c, k) in [(9usize, 45usize, 5usize), (3, 77, 5), (13, 1, 2), (1, 7, 1)] {
-        cs.add("depthwise_conv1d", format!("x f32[{t}, {c}] w [{c}, {k}, 1]"), t, NORM, |cx| {
-            let x = cx.b.act(&[t, c], 2.0);
-            let w = cx.b.weight("w", &[c, k, 1], cx.vec, false);
-            (cx.b.op(Op::DepthwiseConv1d, &[x, w]), x)
-        });
-    }
-    // (T, heads, D, window, relative-position channels, its format, masked keys)
-    for (t, heads, d, window, ch, fmt, masked) in [
-        (17usize, 2usize, 24usize, 12usize, 32usize, BF16, true),
-        (5, 3, 40, 12, 45, F32, false),
-        (30, 1, 128, 13, 128, quant(QuantMode::Affine, 4, 64, false), true),
-        (9, 2, 16, 5, 24, F16, true),
-    ] {
-        let desc = format!("q f32[{t}, {heads}, {d}] window {window} rel {} [{}, {ch}] masked {masked}", fmt_name(fmt), heads * d);
-        cs.add("audio_attention", desc, t, ATTENTION, |cx| {
-            let [q, k, v] = [0; 3].map(|_| cx.b.act(&[t, heads, d], 1.0));
-            if masked {
-                // key 0 masked: query 0 sees no key; every fourth key after it too
-                for i in (0..t).step_by(4) {
-                    cx.tokens[i] = 0;
-                }
-            }
-            let pds = cx.b.weight("norm0", &[d], cx.vec, false);
-            let rel = cx.b.weight("rel", &[heads * d, ch], fmt, true);
-            cx.flops = (4 * t * window * heads * d) as f64;
-            (cx.b.op(Op::AudioAttention { window, softcap: 3.0 }, &[q, k, v, cx.b.tokens, pds, rel]), q)
-        });
-    }
-}
-
 fn all_cases(perf: bool) -> Vec<Case> {
     let mut cs = Cases { v: vec![], seed: ops_harness::base_seed() };
     if perf {
@@ -956,7 +887,7 @@ fn all_cases(perf: bool) -> Vec<Case> {
     sampling(&mut cs);
     batched(&mut cs);
     vision(&mut cs);
-    audio(&mut cs);
+    audio_cases::audio(&mut cs);
     cs.v
 }
 

@@ -612,3 +612,23 @@ fn audio_errors_are_clear() {
     let (ok, _, err) = run_env(&["chat", "-m", VLM3, "--backend", "cpu"], &[], &format!("/audio {CLIP}\n/exit\n"));
     assert!(ok && err.contains("error: ") && err.contains("has no audio tower"), "{err}");
 }
+
+/// Gemma 3n: `encode --audio` runs the audio tower alone (the text decoder is never built) and
+/// writes the clip's 188 soft tokens, which match the library's; `generate` on a Gemma 3n
+/// checkpoint is a clear error.
+#[test]
+fn gemma3n_encode_audio_and_generate_refused() {
+    const TINY3N: &str = "tests/fixtures/audio_tower/gemma3n";
+    let speech = "tests/fixtures/audio/speech_16k.wav";
+    let npy = std::env::temp_dir().join(format!("markbase-cli-{}-3n-soft.npy", std::process::id()));
+    let (ok, _, err) = run(&["encode", "-m", TINY3N, "--backend", "cpu", "--audio", speech, "--out", npy.to_str().unwrap()]);
+    assert!(ok && err.contains("soft tokens per clip [188]"), "{err}");
+    let a = markbase::npy::read_f32(&npy).unwrap();
+    assert_eq!(a.shape, [188, 128]);
+    let samples = markbase::audio::load(&root().join(speech), &Default::default()).unwrap();
+    let mut enc = markbase::audio::encode::AudioEncoder::open(&root().join(TINY3N), markbase::model::DeviceKind::Cpu, false).unwrap();
+    assert_eq!(enc.encode(&samples).unwrap().data, a.data);
+    let _ = std::fs::remove_file(&npy);
+    let e = fails_with(&["generate", "-m", "tests/fixtures/gemma3n-bf16", "--backend", "cpu", "-p", "w5"], "Gemma 3n text decoder is not supported yet");
+    assert!(e.contains("encode --audio"), "{e}");
+}

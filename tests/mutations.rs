@@ -93,6 +93,7 @@ impl Bug {
             | Op::LayerNorm { .. }
             | Op::Scatter
             | Op::Conv2d { .. }
+            | Op::CumulativeGroupNorm { .. }
             | Op::MaskRows
             | Op::StridedRows { .. }
             | Op::Glu

@@ -1,30 +1,37 @@
-// The audio tower's ops (one source variant per op), f32 activations and accumulation:
+// The audio towers' ops (one source variant per op), f32 activations and accumulation:
 //   CONV2D:  dense 2-D convolution of x[h, w, c] by wt[o, kh, kw, c] (dtype WDT), `pad` zeros
-//            on every side, `stride` both ways, into out[ho, wo, o]; one invocation per output
+//            left and right, `pad_top` above (those below implied by ho), `stride` both ways,
+//            into out[ho, wo, o]; one invocation per output
+//   CGN_SUM, CGN_SQ, CGN: Gemma 3n's cumulative group norm of x[h, row] (row = F C, channel
+//            last) by wt[c] (WDT), one workgroup per row in three passes: CGN_SUM writes each
+//            row's sum to out[t] (the row statistics buffer), CGN_SQ each row's squared
+//            deviations from its running mean (the sum of rows 0..t over (t + 1) row) to
+//            out[h + t], CGN normalises row t by that mean and the running sum of the
+//            squared deviations (stats: the statistics buffer)
 //   MASK:    out = x, rows (row values each) whose valid word is 0 set to zero
 //   STRIDED: rows 0, stride, 2 stride, .. of x (row words each; f32 or u32 alike)
 //   GLU:     out[r, i] = a / (1 + exp(-b)), a = x[r, i], b = x[r, row + i] (row = C)
 //   DWCONV:  causal depthwise conv of x[T, C] by wt[C, K] (WDT): out[t, c] = sum_j
 //            wt[c, j] x[t - (K - 1) + j, c], zeros before row 0
-//   ATTN:    Gemma 4's local attention, one workgroup per (query, head): q scaled by
-//            D^-1/2 / ln 2 softplus(per_dim_scale) (PDT), keys by ln(1 + e) / ln 2; query t
+//   ATTN:    the local audio attention, one workgroup per (query, head): q scaled by
+//            D^-1/2 / ln 2 softplus(per_dim_scale) (PDT), keys by key_scale; query t
 //            sees keys s = t - dist, 0 <= dist < window, whose valid word is not 0; logit
 //            q . (k_s ks + R[dist]) soft-capped at cap; R: [window, heads D] (the relative
 //            position embeddings, a matmul before this dispatch)
 //
-// Prelude consts: WG, WDT (CONV2D, DWCONV), PDT (ATTN) (0 bf16, 1 f16, 2 f32). Flags: one op
+// Prelude consts: WG, WDT (CONV2D, CGN, DWCONV), PDT (ATTN) (0 bf16, 1 f16, 2 f32). Flags: one op
 // flag.
-// Bindings: 0 params, 1 x (ATTN: q), 2 out, then CONV2D 3 wt; MASK 3 valid; DWCONV 3 wt; ATTN
+// Bindings: 0 params, 1 x (ATTN: q), 2 out, then CONV2D 3 wt; CGN 3 wt 4 stats; MASK 3 valid; DWCONV 3 wt; ATTN
 // 3 k 4 v 5 valid 6 per_dim_scale 7 R.
 
 struct Params {
     n: u32,      // output values (ATTN: queries x heads)
-    row: u32,    // MASK, STRIDED: values per row; GLU, DWCONV: channels; ATTN: head dim D
+    row: u32,    // MASK, STRIDED, CGN: values per row; GLU, DWCONV: channels; ATTN: head dim D
     stride: u32, // CONV2D, STRIDED
     pad: u32,    // CONV2D
-    h: u32,      // CONV2D input rows
+    h: u32,      // CONV2D input rows; CGN rows
     w: u32,      // CONV2D input columns
-    c: u32,      // CONV2D input channels
+    c: u32,      // CONV2D input channels; CGN channels
     o: u32,      // CONV2D output channels
     kh: u32,     // CONV2D kernel rows
     kw: u32,     // CONV2D kernel columns; DWCONV kernel K
@@ -33,7 +40,11 @@ struct Params {
     heads: u32,  // ATTN
     window: u32, // ATTN
     cap: f32,    // ATTN logit soft cap
+    key_scale: f32, // ATTN
+    pad_top: u32, // CONV2D rows of zeros above
+    eps: f32,    // CGN
     _p0: u32,
+    _p1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -44,8 +55,11 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 //#endif
-//#if CONV2D || DWCONV
+//#if CONV2D || DWCONV || CGN
 @group(0) @binding(3) var<storage, read> wt: array<u32>;
+//#endif
+//#if CGN
+@group(0) @binding(4) var<storage, read> stats: array<f32>;
 //#endif
 //#if MASK
 @group(0) @binding(3) var<storage, read> valid: array<u32>;
@@ -58,7 +72,7 @@ struct Params {
 @group(0) @binding(7) var<storage, read> rel: array<f32>;
 //#endif
 
-//#if CONV2D || DWCONV
+//#if CONV2D || DWCONV || CGN
 fn wt_at(i: u32) -> f32 {
     return vec_el(wt[word_of(i, WDT)], i, WDT);
 }
@@ -76,7 +90,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         var acc = 0.0;
         for (var i = 0u; i < p.kh; i++) {
             let yy = ty * p.stride + i;
-            if yy < p.pad || yy - p.pad >= p.h {
+            if yy < p.pad_top || yy - p.pad_top >= p.h {
                 continue;
             }
             for (var j = 0u; j < p.kw; j++) {
@@ -84,7 +98,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
                 if xx < p.pad || xx - p.pad >= p.w {
                     continue;
                 }
-                let src = ((yy - p.pad) * p.w + xx - p.pad) * p.c;
+                let src = ((yy - p.pad_top) * p.w + xx - p.pad) * p.c;
                 let kb = ((oc * p.kh + i) * p.kw + j) * p.c;
                 var s = 0.0;
                 for (var ci = 0u; ci < p.c; ci++) {
@@ -94,6 +108,67 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
             }
         }
         out[idx] = acc;
+    }
+}
+//#endif
+
+//#if CGN_SUM || CGN_SQ || CGN
+// Value i of the row statistics (CGN_SQ: its own output buffer).
+fn stat(i: u32) -> f32 {
+//#if CGN
+    return stats[i];
+//#else
+    return out[i];
+//#endif
+}
+
+// The sum of rows 0..=t of the statistics from base on (the running sum of a per-row one).
+fn prefix(base: u32, t: u32) -> f32 {
+    var s = 0.0;
+    for (var j = g_lid; j <= t; j += WG) {
+        s += stat(base + j);
+    }
+    return wg_sum(s);
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    init_ids(lid, 0u, 0u, 1u);
+    for (var t = wid.y * nwg.x + wid.x; t < p.h; t += nwg.x * nwg.y) {
+        let base = t * p.row;
+        let n = f32(t + 1u) * f32(p.row);
+//#if CGN_SUM
+        var s = 0.0;
+        for (var i = lid; i < p.row; i += WG) {
+            s += x[base + i];
+        }
+        let total = wg_sum(s);
+        if lid == 0u {
+            out[t] = total;
+        }
+//#else
+        let mean = prefix(0u, t) / n;
+//#if CGN_SQ
+        var s2 = 0.0;
+        for (var i = lid; i < p.row; i += WG) {
+            let d = x[base + i] - mean;
+            s2 += d * d;
+        }
+        let total = wg_sum(s2);
+        if lid == 0u {
+            out[p.h + t] = total;
+        }
+//#else
+        let inv = 1.0 / sqrt(prefix(p.h, t) / n + p.eps);
+        for (var i = lid; i < p.row; i += WG) {
+            out[base + i] = (x[base + i] - mean) * inv * wt_at(i % p.c);
+        }
+//#endif
+//#endif
     }
 }
 //#endif
@@ -149,8 +224,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 
 //#if ATTN
 const LN2: f32 = 0.6931471805599453;
-// ln(1 + e) / ln 2
-const KEY_SCALE: f32 = 1.8946361239720115;
 
 // ln(1 + e^v), accurate for small e^v (log1p by the (1 + y) - 1 correction).
 fn softplus(v: f32) -> f32 {
@@ -193,7 +266,7 @@ fn main(
                     let rb = dist * hd + h * d;
                     var dot = 0.0;
                     for (var i = 0u; i < d; i++) {
-                        dot += qs[i] * (kk[kb + i] * KEY_SCALE + rel[rb + i]);
+                        dot += qs[i] * (kk[kb + i] * p.key_scale + rel[rb + i]);
                     }
                     l = tanh_c(dot / p.cap) * p.cap;
                 }

@@ -163,7 +163,7 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
         Family::Gemma3 => models::gemma3::build(cfg, res, o),
         Family::Gemma4 => models::gemma4::build(cfg, res, o),
         Family::Gemma3n => Err(BuildError::Config(format!(
-            "model_type {}: graph builder not implemented yet for this family",
+            "model_type {}: the Gemma 3n text decoder is not supported yet (its audio tower is: `encode --audio`)",
             cfg.model_type
         ))),
     }?;

@@ -239,9 +239,16 @@ pub enum Op {
     /// `rows[src[t] - 1]` where `src[t] > 0` (soft-token rows into a prompt's embeddings).
     Scatter,
     /// `[x: f32[H, W, C], w: f32-weight[O, kh, kw, C]] -> f32[Ho, Wo, O]`: a dense 2-D
-    /// convolution (MLX layout, no bias), `pad` zeros on all four sides, `Ho = (H + 2·pad −
-    /// kh) / stride + 1` (Gemma 4's audio subsampling convs: 3x3, stride 2, pad 1).
-    Conv2d { stride: usize, pad: usize },
+    /// convolution (MLX layout, no bias), `pad` zeros left and right, `time_pad` zeros above
+    /// and below, `Ho = (H + time_pad[0] + time_pad[1] − kh) / stride + 1`,
+    /// `Wo = (W + 2·pad − kw) / stride + 1` (the audio subsampling convs: 3x3, stride 2, pad 1;
+    /// time pad 1, 1 for Gemma 4, 0, 2 for Gemma 3n).
+    Conv2d { stride: usize, pad: usize, time_pad: [usize; 2] },
+    /// `[x: f32[T, F, C], w: f32-weight[C]] -> x`: Gemma 3n's cumulative group norm, row `t`
+    /// normalised by the statistics of rows `0..=t`: `μ_t = Σ_{τ≤t} Σ x[τ] / N_t`,
+    /// `σ²_t = Σ_{τ≤t} Σ (x[τ] − μ_τ)² / N_t` (each row's deviations from its own mean),
+    /// `N_t = (t + 1)·F·C`; `y = (x − μ_t) / sqrt(σ²_t + eps) · w[c]`.
+    CumulativeGroupNorm { eps: f32 },
     /// `[x: f32[T, ..], valid: u32[T]] -> x`: rows `t` with `valid[t] == 0` set to zero.
     MaskRows,
     /// `[x: [T, ..]] -> [ceil(T / stride), ..]` (f32 or u32): rows `0, stride, 2·stride, ..`
@@ -253,12 +260,13 @@ pub enum Op {
     /// `y[t, c] = Σ_j w[c, j] · x[t − (K − 1) + j, c]` (zeros before row 0).
     DepthwiseConv1d,
     /// `[q, k, v: f32[T, H, D], valid: u32[T], per_dim_scale: f32-weight[D], rel: weight[H·D, C]]
-    /// -> f32[T, H, D]`: Gemma 4's local audio attention, the exact form of its chunked one.
-    /// `q ← q · D^−½ / ln 2 · softplus(per_dim_scale)`, `k ← k · ln(1 + e) / ln 2`; query `t`
+    /// -> f32[T, H, D]`: the local audio attention of Gemma 4 and Gemma 3n, the exact form of
+    /// their chunked one. `q ← q · D^−½ / ln 2 · softplus(per_dim_scale)`, `k ← k ·
+    /// key_scale` (Gemma 4: `ln(1 + e) / ln 2`; Gemma 3n: 1); query `t`
     /// sees keys `s` with `0 ≤ t − s < window` and `valid[s]`; the logit is
     /// `q_t·k_s + q_t·R[t − s]` with `R[d] = rel · [sin(d·τ), cos(d·τ)]` (`C / 2` timescales
     /// `τ_i = 10⁴^(−i / (C/2 − 1))`), soft-capped at `softcap` (a query with no key: zeros).
-    AudioAttention { window: usize, softcap: f32 },
+    AudioAttention { window: usize, softcap: f32, key_scale: f32 },
 }
 
 /// Heads `start..start + count` of a value with more heads (a fused q/k/v projection's output).
@@ -347,6 +355,7 @@ impl Op {
             Op::LayerNorm { .. } => "layer_norm",
             Op::Scatter => "scatter",
             Op::Conv2d { .. } => "conv2d",
+            Op::CumulativeGroupNorm { .. } => "cumulative_group_norm",
             Op::MaskRows => "mask_rows",
             Op::StridedRows { .. } => "strided_rows",
             Op::Glu => "glu",
@@ -422,9 +431,10 @@ impl Op {
             Op::FullAttention { scale } => format!("scale={scale} bidirectional"),
             Op::AvgPool { rows, cols, k } => format!("grid={rows}x{cols} k={k}"),
             Op::LayerNorm { eps } => format!("eps={eps:e}"),
-            Op::Conv2d { stride, pad } => format!("stride={stride} pad={pad}"),
+            Op::Conv2d { stride, pad, time_pad } => format!("stride={stride} pad={pad} time_pad={}+{}", time_pad[0], time_pad[1]),
+            Op::CumulativeGroupNorm { eps } => format!("eps={eps:e}"),
             Op::StridedRows { stride } => format!("stride={stride}"),
-            Op::AudioAttention { window, softcap } => format!("window={window} softcap={softcap}"),
+            Op::AudioAttention { window, softcap, key_scale } => format!("window={window} softcap={softcap} key_scale={key_scale}"),
             _ => String::new(),
         }
     }
@@ -839,17 +849,26 @@ impl Op {
                 }
                 Ok(x.clone())
             }
-            Op::Conv2d { stride, pad } => {
+            Op::Conv2d { stride, pad, time_pad } => {
                 need(2)?;
                 let x = f32_in(0)?;
                 let w = inputs[1];
                 let ok = x.shape.len() == 3 && w.shape.len() == 4 && w.shape[3] == x.shape[2] && *stride > 0;
-                if !ok || x.shape[0] + 2 * pad < w.shape[1] || x.shape[1] + 2 * pad < w.shape[2] {
+                let h = x.shape.first().map_or(0, |h| h + time_pad[0] + time_pad[1]);
+                if !ok || h < w.shape[1] || x.shape[1] + 2 * pad < w.shape[2] {
                     return Err(err(format!("x {} w {}", x.describe(), w.describe())));
                 }
-                let ho = (x.shape[0] + 2 * pad - w.shape[1]) / stride + 1;
+                let ho = (h - w.shape[1]) / stride + 1;
                 let wo = (x.shape[1] + 2 * pad - w.shape[2]) / stride + 1;
                 Ok(TensorType::f32(&[ho, wo, w.shape[0]]))
+            }
+            Op::CumulativeGroupNorm { .. } => {
+                need(2)?;
+                let x = f32_in(0)?;
+                if x.shape.len() != 3 || inputs[1].shape != [x.shape[2]] {
+                    return Err(err(format!("x {} w {}", x.describe(), inputs[1].describe())));
+                }
+                Ok(x.clone())
             }
             Op::MaskRows => {
                 need(2)?;

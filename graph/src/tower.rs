@@ -6,15 +6,15 @@
 //! `soft` `[N, D_text]` (also `logits`, which executors expect, and `token`), and the
 //! intermediates `patch_embed`, `layer<i>` `[P, hidden]` and `pooled` `[N, hidden]`.
 //!
-//! Gemma 4's audio tower is built here too ([`build_gemma4_audio_tower`]), from log-mel
-//! frames to its soft tokens.
+//! The audio towers of Gemma 4 and Gemma 3n are built here too ([`build_audio_tower`]), from
+//! log-mel frames to their soft tokens.
 
 use petgraph::graph::NodeIndex;
 
 use crate::builder::WeightResolver;
 use crate::ir::{BuildError, Graph, GraphKind, InputKind, WeightParam};
 use crate::ops::{BinaryOp, NormScale, Op, TensorType, UnaryOp};
-use crate::audio::AudioConfig;
+use crate::audio::{AudioConfig, AudioKind};
 use crate::vision::{TowerKind, VisionConfig};
 
 /// Name of the half of Gemma 4's `[2, N, hidden]` position table holding the x rows (`.x`)
@@ -235,6 +235,120 @@ pub fn build_gemma4_tower(vc: &VisionConfig, res: &dyn WeightResolver, rows: usi
     finish(t, soft)
 }
 
+/// Names of a conformer block's tensors (under `<prefix>.<i>.`) and how the towers' blocks
+/// differ.
+struct Conformer {
+    prefix: &'static str,
+    ffw: [&'static str; 2],
+    pre_attn_norm: &'static str,
+    /// Holds `q_proj`, `k_proj`, `v_proj` and `per_dim_scale`.
+    attn: &'static str,
+    rel: &'static str,
+    post: &'static str,
+    post_norm: &'static str,
+    out_norm: &'static str,
+    /// Gemma 4's clippable linears (the modules are `<name>.linear`).
+    clippable: bool,
+    key_scale: f32,
+}
+
+const GEMMA4_BLOCK: Conformer = Conformer {
+    prefix: "audio_tower.layers",
+    ffw: ["feed_forward1", "feed_forward2"],
+    pre_attn_norm: "norm_pre_attn",
+    attn: "self_attn",
+    rel: "self_attn.relative_k_proj",
+    post: "self_attn.post",
+    post_norm: "norm_post_attn",
+    out_norm: "norm_out",
+    clippable: true,
+    // ln(1 + e) / ln 2, in f32 as the references compute it
+    key_scale: 1.894_636_1,
+};
+
+const GEMMA3N_BLOCK: Conformer = Conformer {
+    prefix: "audio_tower.conformer",
+    ffw: ["ffw_layer_start", "ffw_layer_end"],
+    pre_attn_norm: "attention.pre_attn_norm",
+    attn: "attention.attn",
+    rel: "attention.attn.relative_position_embedding.pos_proj",
+    post: "attention.post",
+    post_norm: "attention.post_norm",
+    out_norm: "norm",
+    clippable: false,
+    key_scale: 1.0,
+};
+
+impl T<'_> {
+    /// Conformer block `i` over `x` (`[T, hidden]`): half-step feed-forward, local
+    /// relative-position attention, padded rows zeroed, light conv (GLU, causal depthwise
+    /// conv), half-step feed-forward, output norm.
+    fn conformer(&mut self, ac: &AudioConfig, b: &Conformer, i: usize, x: NodeIndex, valid: NodeIndex) -> Result<NodeIndex, BuildError> {
+        let (h, heads, hd) = (ac.hidden, ac.heads, ac.head_dim());
+        let rows = self.g.node(x).ty.shape[0];
+        let eps = ac.eps as f32;
+        let l = Some(i);
+        let pre = format!("{}.{i}", b.prefix);
+        let norm = |t: &mut Self, name: &str, x: NodeIndex, w: &str| t.norm(name, x, Some(&format!("{pre}.{w}.weight")), eps, l);
+        let ffn = |t: &mut Self, x: NodeIndex, ff: &str| -> Result<NodeIndex, BuildError> {
+            let y = norm(t, &format!("{ff}_pre_norm"), x, &format!("{ff}.pre_layer_norm"))?;
+            let y = t.linear(y, &format!("{pre}.{ff}.ffw_layer_1"), 4 * h, b.clippable, l)?;
+            let y = t.op(&format!("{ff}_silu"), l, Op::Unary { f: UnaryOp::Silu }, &[y])?;
+            let y = t.linear(y, &format!("{pre}.{ff}.ffw_layer_2"), h, b.clippable, l)?;
+            let y = norm(t, &format!("{ff}_post_norm"), y, &format!("{ff}.post_layer_norm"))?;
+            let y = t.op(&format!("{ff}_scaled"), l, Op::Unary { f: UnaryOp::Scale { factor: ac.residual_weight } }, &[y])?;
+            t.op(&format!("{ff}_residual"), l, Op::Binary { f: BinaryOp::Add }, &[x, y])
+        };
+        let mut x = ffn(self, x, b.ffw[0])?;
+
+        let a = norm(self, "pre_attn_norm", x, b.pre_attn_norm)?;
+        let mut qkv = vec![];
+        for n in ["q", "k", "v"] {
+            let y = self.linear(a, &format!("{pre}.{}.{n}_proj", b.attn), h, b.clippable, l)?;
+            qkv.push(self.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![rows, heads, hd] }, &[y])?);
+        }
+        let pds = self.w(&format!("{pre}.{}.per_dim_scale", b.attn), &[hd], false, l);
+        let rel = self.w(&format!("{pre}.{}", b.rel), &[h, h], true, l);
+        let op = Op::AudioAttention { window: ac.window, softcap: ac.logit_cap, key_scale: b.key_scale };
+        let o = self.op("attention", l, op, &[qkv[0], qkv[1], qkv[2], valid, pds, rel])?;
+        let o = self.op("attn_flat", l, Op::Reshape { shape: vec![rows, h] }, &[o])?;
+        let o = self.linear(o, &format!("{pre}.{}", b.post), h, b.clippable, l)?;
+        let o = norm(self, "post_attn_norm", o, b.post_norm)?;
+        let y = self.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
+        x = self.op("attn_masked", l, Op::MaskRows, &[y, valid])?;
+
+        let y = norm(self, "lconv_pre_norm", x, "lconv1d.pre_layer_norm")?;
+        let y = self.linear(y, &format!("{pre}.lconv1d.linear_start"), 2 * h, b.clippable, l)?;
+        let y = self.op("glu", l, Op::Glu, &[y])?;
+        let cw = self.w(&format!("{pre}.lconv1d.depthwise_conv1d.weight"), &[h, ac.conv_kernel, 1], false, l);
+        let y = self.op("depthwise_conv1d", l, Op::DepthwiseConv1d, &[y, cw])?;
+        let y = norm(self, "conv_norm", y, "lconv1d.conv_norm")?;
+        let y = self.op("lconv_silu", l, Op::Unary { f: UnaryOp::Silu }, &[y])?;
+        let y = self.linear(y, &format!("{pre}.lconv1d.linear_end"), h, b.clippable, l)?;
+        x = self.op("lconv_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, y])?;
+
+        x = ffn(self, x, b.ffw[1])?;
+        norm(self, "out_norm", x, b.out_norm)
+    }
+
+    /// The subsampling input projection of `x` (`[T, F, C]` flattened to `[T, F·C]`).
+    fn subsample_proj(&mut self, ac: &AudioConfig, x: NodeIndex, module: &str) -> Result<NodeIndex, BuildError> {
+        let s = self.g.node(x).ty.shape.clone();
+        let x = self.op("sscp_flat", None, Op::Reshape { shape: vec![s[0], s[1] * s[2]] }, &[x])?;
+        let x = self.linear(x, module, ac.hidden, false, None)?;
+        self.g.set_output("subsample", x);
+        Ok(x)
+    }
+}
+
+/// The audio tower graph of the checkpoint's family over `frames` log-mel frames.
+pub fn build_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, frames: usize) -> Result<Graph, BuildError> {
+    match ac.kind {
+        AudioKind::Gemma4 => build_gemma4_audio_tower(ac, res, frames),
+        AudioKind::Gemma3n => build_gemma3n_audio_tower(ac, res, frames),
+    }
+}
+
 /// The graph of Gemma 4's audio tower over `frames` log-mel frames, through `embed_audio`.
 /// Inputs: `features` `f32[T, 128]` and `valid` `u32[T]` (1: a real frame). Outputs: `soft`
 /// `[T'', D_text]` (T'' = ceil(ceil(T/2)/2); rows of padded frames are not soft tokens), the
@@ -245,7 +359,9 @@ pub fn build_gemma4_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, fram
     if frames == 0 {
         return Err(BuildError::Config("an audio clip of no frames".into()));
     }
-    let (h, heads, hd) = (ac.hidden, ac.heads, ac.head_dim());
+    if ac.kind != AudioKind::Gemma4 {
+        return Err(BuildError::Config("not Gemma 4's audio tower".into()));
+    }
     let eps = ac.eps as f32;
     let rows = AudioConfig::rows(frames);
     let mut t = T { g: Graph::new(rows, GraphKind::Prefill), res, clip: ac.clipped, tag: 'a' };
@@ -259,7 +375,7 @@ pub fn build_gemma4_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, fram
         let cin = t.g.node(x).ty.last();
         let m = t.op(&format!("sscp{i}_masked"), None, Op::MaskRows, &[x, valid])?;
         let w = t.w(&format!("{sc}.layer{i}.conv.weight"), &[c, 3, 3, cin], false, None);
-        let y = t.op(&format!("sscp{i}_conv"), None, Op::Conv2d { stride: 2, pad: 1 }, &[m, w])?;
+        let y = t.op(&format!("sscp{i}_conv"), None, Op::Conv2d { stride: 2, pad: 1, time_pad: [1, 1] }, &[m, w])?;
         let nw = t.w(&format!("{sc}.layer{i}.norm.weight"), &[c], false, None);
         let y = t.op(&format!("sscp{i}_norm"), None, Op::LayerNorm { eps }, &[y, nw])?;
         x = t.op(&format!("sscp{i}"), None, Op::Unary { f: UnaryOp::Relu }, &[y])?;
@@ -267,56 +383,9 @@ pub fn build_gemma4_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, fram
         valid = t.op(&format!("sscp{i}_valid"), None, Op::StridedRows { stride: 2 }, &[valid])?;
     }
     t.g.set_output("valid_rows", valid);
-    let s = &t.g.node(x).ty.shape;
-    let flat = s[1] * s[2];
-    let x = t.op("sscp_flat", None, Op::Reshape { shape: vec![rows, flat] }, &[x])?;
-    let mut x = t.linear(x, &format!("{sc}.input_proj_linear"), h, false, None)?;
-    t.g.set_output("subsample", x);
-
-    let norm = |t: &mut T, name: &str, x: NodeIndex, w: &str, l: Option<usize>| t.norm(name, x, Some(w), eps, l);
+    let mut x = t.subsample_proj(ac, x, &format!("{sc}.input_proj_linear"))?;
     for i in 0..ac.layers {
-        let l = Some(i);
-        let pre = format!("audio_tower.layers.{i}");
-        let ffn = |t: &mut T, x: NodeIndex, ff: &str| -> Result<NodeIndex, BuildError> {
-            let p = format!("{pre}.{ff}");
-            let y = norm(t, &format!("{ff}_pre_norm"), x, &format!("{p}.pre_layer_norm.weight"), l)?;
-            let y = t.linear(y, &format!("{p}.ffw_layer_1"), 4 * h, true, l)?;
-            let y = t.op(&format!("{ff}_silu"), l, Op::Unary { f: UnaryOp::Silu }, &[y])?;
-            let y = t.linear(y, &format!("{p}.ffw_layer_2"), h, true, l)?;
-            let y = norm(t, &format!("{ff}_post_norm"), y, &format!("{p}.post_layer_norm.weight"), l)?;
-            let y = t.op(&format!("{ff}_scaled"), l, Op::Unary { f: UnaryOp::Scale { factor: ac.residual_weight } }, &[y])?;
-            t.op(&format!("{ff}_residual"), l, Op::Binary { f: BinaryOp::Add }, &[x, y])
-        };
-        x = ffn(&mut t, x, "feed_forward1")?;
-
-        let a = norm(&mut t, "pre_attn_norm", x, &format!("{pre}.norm_pre_attn.weight"), l)?;
-        let mut qkv = vec![];
-        for n in ["q", "k", "v"] {
-            let y = t.linear(a, &format!("{pre}.self_attn.{n}_proj"), h, true, l)?;
-            qkv.push(t.op(&format!("{n}_heads"), l, Op::Reshape { shape: vec![rows, heads, hd] }, &[y])?);
-        }
-        let pds = t.w(&format!("{pre}.self_attn.per_dim_scale"), &[hd], false, l);
-        let rel = t.w(&format!("{pre}.self_attn.relative_k_proj"), &[h, h], true, l);
-        let o = t.op("attention", l, Op::AudioAttention { window: ac.window, softcap: ac.logit_cap }, &[qkv[0], qkv[1], qkv[2], valid, pds, rel])?;
-        let o = t.op("attn_flat", l, Op::Reshape { shape: vec![rows, h] }, &[o])?;
-        let o = t.linear(o, &format!("{pre}.self_attn.post"), h, true, l)?;
-        let o = norm(&mut t, "post_attn_norm", o, &format!("{pre}.norm_post_attn.weight"), l)?;
-        let y = t.op("attn_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, o])?;
-        x = t.op("attn_masked", l, Op::MaskRows, &[y, valid])?;
-
-        let lc = format!("{pre}.lconv1d");
-        let y = norm(&mut t, "lconv_pre_norm", x, &format!("{lc}.pre_layer_norm.weight"), l)?;
-        let y = t.linear(y, &format!("{lc}.linear_start"), 2 * h, true, l)?;
-        let y = t.op("glu", l, Op::Glu, &[y])?;
-        let cw = t.w(&format!("{lc}.depthwise_conv1d.weight"), &[h, ac.conv_kernel, 1], false, l);
-        let y = t.op("depthwise_conv1d", l, Op::DepthwiseConv1d, &[y, cw])?;
-        let y = norm(&mut t, "conv_norm", y, &format!("{lc}.conv_norm.weight"), l)?;
-        let y = t.op("lconv_silu", l, Op::Unary { f: UnaryOp::Silu }, &[y])?;
-        let y = t.linear(y, &format!("{lc}.linear_end"), h, true, l)?;
-        x = t.op("lconv_residual", l, Op::Binary { f: BinaryOp::Add }, &[x, y])?;
-
-        x = ffn(&mut t, x, "feed_forward2")?;
-        x = norm(&mut t, "out_norm", x, &format!("{pre}.norm_out.weight"), l)?;
+        x = t.conformer(ac, &GEMMA4_BLOCK, i, x, valid)?;
         t.g.set_output(&format!("block{i}"), x);
     }
 
@@ -327,5 +396,79 @@ pub fn build_gemma4_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, fram
     t.g.set_output("encoder", enc);
     let s = t.norm("soft_norm", enc, None, eps, None)?;
     let soft = t.linear(s, "embed_audio.embedding_projection", ac.text_hidden, false, None)?;
+    finish(t, soft)
+}
+
+/// The graph of Gemma 3n's audio tower over `frames` log-mel frames, through `embed_audio`
+/// and the clip's padding slots. Inputs: `features` `f32[T, F]`, `valid` `u32[T]` (1: a real
+/// frame), `tokens` `u32[S]` (S = `soft_slots`: each slot's row of `embed_audio.embedding`,
+/// `pad_row` for HF's padding) and `soft_index` `u32[S]` (each slot's encoder row plus one, 0
+/// for a padding slot). Outputs: `soft` `[S, D_text]`; the intermediates `sscp0`
+/// `[T1, F/2, C0]`, `sscp1` `[T2, F/4, C1]`, `subsample` and `block<i>` `[T2, hidden]`
+/// (T1 = ceil(T/2), T2 = ceil(T1/2)), `encoder` `[R, hidden]` (every `reduction`-th row,
+/// R = ceil(T2/reduction), padded rows zeroed), `embedded` `[R, D_text]` (the encoder rows
+/// through `embed_audio`) and `valid_rows` `u32[R]`.
+pub fn build_gemma3n_audio_tower(ac: &AudioConfig, res: &dyn WeightResolver, frames: usize) -> Result<Graph, BuildError> {
+    if frames == 0 {
+        return Err(BuildError::Config("an audio clip of no frames".into()));
+    }
+    if ac.kind != AudioKind::Gemma3n {
+        return Err(BuildError::Config("not Gemma 3n's audio tower".into()));
+    }
+    let out_rows = ac.encoder_rows(frames);
+    if out_rows > ac.soft_slots {
+        return Err(BuildError::Config(format!("an audio clip of {frames} frames makes {out_rows} soft tokens, over the {} a clip takes", ac.soft_slots)));
+    }
+    let eps = ac.eps as f32;
+    let slots = ac.soft_slots;
+    let mut t = T { g: Graph::new(slots, GraphKind::Prefill), res, clip: false, tag: 'a' };
+    let feats = t.g.input("features", InputKind::AudioFeatures, TensorType::f32(&[frames, ac.features]));
+    let valid = t.g.input("valid", InputKind::AudioValid, TensorType::u32(&[frames]));
+    let ids = t.g.input("tokens", InputKind::Tokens, TensorType::u32(&[slots]));
+    let index = t.g.input("soft_index", InputKind::SoftIndex, TensorType::u32(&[slots]));
+
+    // subsampling: (3x3 stride-2 conv padded 0 above and 2 below, cumulative group norm over
+    // every frame, ReLU) twice, then a linear; nothing masked
+    let sc = "audio_tower.subsample_conv_projection";
+    let mut x = t.op("features_3d", None, Op::Reshape { shape: vec![frames, ac.features, 1] }, &[feats])?;
+    for (i, c) in ac.conv_channels.into_iter().enumerate() {
+        let cin = t.g.node(x).ty.last();
+        let w = t.w(&format!("{sc}.conv_{i}.conv.weight"), &[c, 3, 3, cin], false, None);
+        let y = t.op(&format!("sscp{i}_conv"), None, Op::Conv2d { stride: 2, pad: 1, time_pad: [0, 2] }, &[x, w])?;
+        let nw = t.w(&format!("{sc}.conv_{i}.norm.weight"), &[c], false, None);
+        let y = t.op(&format!("sscp{i}_norm"), None, Op::CumulativeGroupNorm { eps: ac.group_norm_eps as f32 }, &[y, nw])?;
+        x = t.op(&format!("sscp{i}"), None, Op::Unary { f: UnaryOp::Relu }, &[y])?;
+        t.g.set_output(&format!("sscp{i}"), x);
+    }
+    let mut x = t.subsample_proj(ac, x, &format!("{sc}.input_proj_linear"))?;
+    // a subsampled row is real where its first frame is (`valid[4t]`)
+    let valid = t.op("sscp_valid", None, Op::StridedRows { stride: 4 }, &[valid])?;
+    t.g.set_output("sscp_valid", valid);
+    for i in 0..ac.layers {
+        x = t.conformer(ac, &GEMMA3N_BLOCK, i, x, valid)?;
+        t.g.set_output(&format!("block{i}"), x);
+    }
+
+    let (x, valid) = if ac.reduction > 1 {
+        let x = t.op("reduced", None, Op::StridedRows { stride: ac.reduction }, &[x])?;
+        (x, t.op("reduced_valid", None, Op::StridedRows { stride: ac.reduction }, &[valid])?)
+    } else {
+        (x, valid)
+    };
+    t.g.set_output("valid_rows", valid);
+    let enc = t.op("encoder", None, Op::MaskRows, &[x, valid])?;
+    t.g.set_output("encoder", enc);
+    // embed_audio: soft rows from the encoder, hard rows (the padding slots') from the table
+    let project = |t: &mut T, name: &str, x: NodeIndex, norm: &str| -> Result<NodeIndex, BuildError> {
+        let y = t.norm(&format!("{name}_norm"), x, Some(&format!("embed_audio.{norm}.weight")), eps, None)?;
+        let y = t.linear(y, "embed_audio.embedding_projection", ac.text_hidden, false, None)?;
+        t.norm(&format!("{name}_post_norm"), y, None, eps, None)
+    };
+    let embedded = project(&mut t, "embedded", enc, "soft_embedding_norm")?;
+    t.g.set_output("embedded", embedded);
+    let table = t.w("embed_audio.embedding", &[ac.vocab_size, ac.hidden], true, None);
+    let hard = t.op("hard", None, Op::Embed { scale: 1.0, clamp: None }, &[ids, table])?;
+    let hard = project(&mut t, "hard", hard, "hard_embedding_norm")?;
+    let soft = t.op("slots", None, Op::Scatter, &[hard, embedded, index])?;
     finish(t, soft)
 }

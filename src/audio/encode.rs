@@ -1,10 +1,10 @@
-//! Clips to soft tokens: the checkpoint's feature extractor and Gemma 4's audio tower (a
-//! compiled graph per frame count), on the CPU reference executor or the GPU.
+//! Clips to soft tokens: the checkpoint's feature extractor and its audio tower (Gemma 4's or
+//! Gemma 3n's; a compiled graph per frame count), on the CPU reference executor or the GPU.
 
 use std::collections::HashMap;
 use std::path::Path;
 
-use markbase_graph::audio::AudioConfig;
+use markbase_graph::audio::{AudioConfig, AudioKind};
 use markbase_graph::passes::{compile, Compiled, PhasePolicy};
 
 use crate::cpu::exec::StepInputs;
@@ -28,7 +28,7 @@ pub struct AudioEncoder {
 /// The audio config of the checkpoint in `dir`, or the error of giving it clips.
 pub fn audio_config(cp: &Checkpoint) -> Result<AudioConfig, Error> {
     cp.audio_config()?.ok_or_else(|| {
-        Error::Input(format!("{} has no audio tower markbase runs (no Gemma 4 audio_config in config.json): it takes no audio", cp.dir().display()))
+        Error::Input(format!("{} has no audio tower markbase runs (no Gemma 4 or Gemma 3n audio_config in config.json): it takes no audio", cp.dir().display()))
     })
 }
 
@@ -68,8 +68,9 @@ impl AudioEncoder {
         f.pop().ok_or_else(|| Error::Audio("the clip holds no samples".into()))
     }
 
-    /// The soft tokens of a clip's features: the tower's rows of real frames (HF keeps those
-    /// and drops the rows of padding).
+    /// The soft tokens of a clip's features. Gemma 4: the tower's rows of real frames (HF
+    /// keeps those and drops the rows of padding); Gemma 3n: the clip's fixed count of slots
+    /// (188), the rows of real frames first, then HF's padding embedding.
     pub fn encode_features(&mut self, f: &Features) -> Result<SoftTokens, Error> {
         if f.bins != self.ac.features || f.frames == 0 || f.mask.len() != f.frames {
             return Err(Error::Input(format!("audio features of {} frames x {} bins for a tower taking {} bins", f.frames, f.bins, self.ac.features)));
@@ -80,11 +81,17 @@ impl AudioEncoder {
             self.graphs.insert(f.frames, c);
         }
         let valid: Vec<u32> = f.mask.iter().map(|&v| v as u32).collect();
-        let step = StepInputs { features: &f.data, audio_valid: &valid, ..Default::default() };
+        // a row is real where its frame is, after the two stride-2 steps and the reduction
+        // (`mask[::4 · reduction]`)
+        let real: Vec<bool> = f.mask.iter().step_by(4 * self.ac.reduction).copied().collect();
+        let (ids, index) = slot_inputs(&self.ac, &real);
+        let step = StepInputs { features: &f.data, audio_valid: &valid, tokens: &ids, soft_index: &index, ..Default::default() };
         let rows = self.runner.soft(&self.graphs[&f.frames], &step)?;
         let width = self.ac.text_hidden;
-        // a row is real where its frame after the two stride-2 steps is (`mask[::4]`)
-        let data: Vec<f32> = rows.chunks(width).zip(f.mask.iter().step_by(4)).filter(|(_, &v)| v).flat_map(|(r, _)| r.iter().copied()).collect();
+        let data: Vec<f32> = match self.ac.kind {
+            AudioKind::Gemma4 => rows.chunks(width).zip(&real).filter(|(_, &v)| v).flat_map(|(r, _)| r.iter().copied()).collect(),
+            AudioKind::Gemma3n => rows,
+        };
         if let Some(i) = data.iter().position(|x| !x.is_finite()) {
             return Err(Error::Device(format!("the audio tower made a non-finite soft token value (at {i})")));
         }
@@ -96,6 +103,18 @@ impl AudioEncoder {
         let f = self.features(samples)?;
         self.encode_features(&f)
     }
+}
+
+/// Gemma 3n's slot inputs for a clip whose encoder rows are `real` or padding: each slot's
+/// hard-embedding row (the padding one) and its encoder row plus one (0: padding). Empty for
+/// Gemma 4.
+pub fn slot_inputs(ac: &AudioConfig, real: &[bool]) -> (Vec<u32>, Vec<u32>) {
+    if ac.kind != AudioKind::Gemma3n {
+        return (vec![], vec![]);
+    }
+    let ids = vec![ac.pad_row as u32; ac.soft_slots];
+    let index = (0..ac.soft_slots).map(|s| if real.get(s).copied().unwrap_or(false) { s as u32 + 1 } else { 0 }).collect();
+    (ids, index)
 }
 
 /// Encodes audio files with the tower of the checkpoint in `dir`: all rows, their width, and

@@ -1,18 +1,18 @@
 //! CPU lowering of the audio tower's ops: the subsampling conv, row masks and strides, GLU,
 //! the causal depthwise conv and Gemma 4's local relative-position attention. f32 throughout.
 
-/// Dense 2-D convolution of `x: [h, w, c]` by `wt: [o, kh, kw, c]`, `pad` zeros on every
-/// side, into `out: [ho, wo, o]`.
+/// Dense 2-D convolution of `x: [h, w, c]` by `wt: [o, kh, kw, c]`, `pad` zeros left and
+/// right, `time_pad` zeros above and below, into `out: [ho, wo, o]`.
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d(x: &[f32], (h, w, c): (usize, usize, usize), wt: &[f32], (o, kh, kw): (usize, usize, usize), stride: usize, pad: usize, out: &mut [f32]) {
-    let ho = (h + 2 * pad - kh) / stride + 1;
+pub fn conv2d(x: &[f32], (h, w, c): (usize, usize, usize), wt: &[f32], (o, kh, kw): (usize, usize, usize), stride: usize, pad: usize, time_pad: [usize; 2], out: &mut [f32]) {
+    let ho = (h + time_pad[0] + time_pad[1] - kh) / stride + 1;
     let wo = (w + 2 * pad - kw) / stride + 1;
     for ty in 0..ho {
         for tx in 0..wo {
             let dst = &mut out[(ty * wo + tx) * o..(ty * wo + tx + 1) * o];
             dst.fill(0.0);
             for i in 0..kh {
-                let Some(y) = (ty * stride + i).checked_sub(pad).filter(|&y| y < h) else { continue };
+                let Some(y) = (ty * stride + i).checked_sub(time_pad[0]).filter(|&y| y < h) else { continue };
                 for j in 0..kw {
                     let Some(xx) = (tx * stride + j).checked_sub(pad).filter(|&xx| xx < w) else { continue };
                     let src = &x[(y * w + xx) * c..(y * w + xx + 1) * c];
@@ -22,6 +22,24 @@ pub fn conv2d(x: &[f32], (h, w, c): (usize, usize, usize), wt: &[f32], (o, kh, k
                     }
                 }
             }
+        }
+    }
+}
+
+/// Gemma 3n's cumulative group norm of `x: [t, row]` (`row` = F·C values, channel last) by
+/// `w: [c]` (see `Op::CumulativeGroupNorm`). Sums in f64 over each row, then in f32 across
+/// rows, as the reference's f32 running sums.
+pub fn cumulative_group_norm(x: &[f32], row: usize, w: &[f32], eps: f32, out: &mut [f32]) {
+    let c = w.len();
+    let (mut sum, mut sq) = (0f32, 0f32);
+    for (t, (xr, or)) in x.chunks(row).zip(out.chunks_mut(row)).enumerate() {
+        let n = ((t + 1) * row) as f32;
+        sum += xr.iter().map(|&v| v as f64).sum::<f64>() as f32;
+        let mean = sum / n;
+        sq += xr.iter().map(|&v| ((v - mean) as f64).powi(2)).sum::<f64>() as f32;
+        let inv = 1.0 / (sq / n + eps).sqrt();
+        for (i, (o, &v)) in or.iter_mut().zip(xr).enumerate() {
+            *o = (v - mean) * inv * w[i % c];
         }
     }
 }
@@ -77,15 +95,14 @@ pub fn timing_signal(d: usize, channels: usize) -> Vec<f32> {
     scaled.iter().map(|s| s.sin()).chain(scaled.iter().map(|s| s.cos())).collect()
 }
 
-/// Gemma 4's local audio attention (see `Op::AudioAttention`). `rel`: `[heads·d, channels]`.
+/// The local audio attention (see `Op::AudioAttention`). `rel`: `[heads·d, channels]`.
 #[allow(clippy::too_many_arguments)]
-pub fn audio_attention(q: &[f32], k: &[f32], v: &[f32], valid: &[u32], per_dim_scale: &[f32], rel: &[f32], heads: usize, d: usize, window: usize, softcap: f32, out: &mut [f32]) {
+pub fn audio_attention(q: &[f32], k: &[f32], v: &[f32], valid: &[u32], per_dim_scale: &[f32], rel: &[f32], heads: usize, d: usize, window: usize, softcap: f32, ks: f32, out: &mut [f32]) {
     let t_n = valid.len();
     let hd = heads * d;
     let channels = rel.len() / hd;
     let ln2 = std::f32::consts::LN_2;
     let qs: Vec<f32> = per_dim_scale.iter().map(|&p| (d as f32).powf(-0.5) / ln2 * softplus(p)).collect();
-    let ks = (1.0 + std::f32::consts::E).ln() / ln2;
     // R[dist] = rel · sinus(dist), [window, heads·d]
     let r: Vec<f32> = (0..window)
         .flat_map(|dist| {

@@ -485,11 +485,17 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let last = &l.f()[l.f().len() - v..];
                         Val::U(Arc::new(vec![ops::argmax(last)]))
                     }
-                    Op::Conv2d { stride, pad } => {
+                    Op::Conv2d { stride, pad, time_pad } => {
                         let x = get(&vals, ins[0]);
                         let wt = weight_or_value(g, w, &vals, ins[1])?;
                         let (xs, ws) = (&g.node(ins[0]).ty.shape, &g.node(ins[1]).ty.shape);
-                        audio_ops::conv2d(x.f(), (xs[0], xs[1], xs[2]), &wt, (ws[0], ws[1], ws[2]), *stride, *pad, &mut out);
+                        audio_ops::conv2d(x.f(), (xs[0], xs[1], xs[2]), &wt, (ws[0], ws[1], ws[2]), *stride, *pad, *time_pad, &mut out);
+                        Val::F(Arc::new(out))
+                    }
+                    Op::CumulativeGroupNorm { eps } => {
+                        let x = get(&vals, ins[0]);
+                        let wt = weight_or_value(g, w, &vals, ins[1])?;
+                        audio_ops::cumulative_group_norm(x.f(), node.ty.numel() / node.ty.shape[0], &wt, *eps, &mut out);
                         Val::F(Arc::new(out))
                     }
                     Op::MaskRows => {
@@ -516,12 +522,12 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         audio_ops::depthwise_conv1d(x.f(), node.ty.last(), &wt, g.node(ins[1]).ty.shape[1], &mut out);
                         Val::F(Arc::new(out))
                     }
-                    Op::AudioAttention { window, softcap } => {
+                    Op::AudioAttention { window, softcap, key_scale } => {
                         let (q, k, v, valid) = (get(&vals, ins[0]), get(&vals, ins[1]), get(&vals, ins[2]), get(&vals, ins[3]));
                         let pds = weight_or_value(g, w, &vals, ins[4])?;
                         let rel = weight_or_value(g, w, &vals, ins[5])?;
                         let (heads, d) = (node.ty.shape[1], node.ty.shape[2]);
-                        audio_ops::audio_attention(q.f(), k.f(), v.f(), valid.u(), &pds, &rel, heads, d, *window, *softcap, &mut out);
+                        audio_ops::audio_attention(q.f(), k.f(), v.f(), valid.u(), &pds, &rel, heads, d, *window, *softcap, *key_scale, &mut out);
                         Val::F(Arc::new(out))
                     }
                 }

@@ -44,10 +44,11 @@ impl Problem {
     }
 }
 
-/// `language_model.model.layers.3.mlp.up_proj.weight` → `(Some(3), "mlp.up_proj.weight")`.
+/// `language_model.model.layers.3.mlp.up_proj.weight` → `(Some(3), "mlp.up_proj.weight")`
+/// (Gemma 3n's audio blocks are `conformer.N.`).
 pub fn split_name(full: &str, prefix: &str) -> (Option<usize>, String) {
     let rel = full.strip_prefix(prefix).unwrap_or(full);
-    if let Some(rest) = rel.strip_prefix("layers.") {
+    if let Some(rest) = rel.strip_prefix("layers.").or_else(|| rel.strip_prefix("conformer.")) {
         if let Some((n, tail)) = rest.split_once('.') {
             if let Ok(i) = n.parse::<usize>() {
                 return (Some(i), tail.to_string());

@@ -1,14 +1,14 @@
 //! The vision tower and projector of a multimodal checkpoint: its configuration, the check of
 //! every tensor it needs (the same diagnostics as the text model's, grouped by tower block),
 //! loading them (any MLX quantization, or float beside a quantized text model); the same for
-//! Gemma 4's audio tower and its projector.
+//! the audio towers (Gemma 4's, Gemma 3n's) and their projectors.
 
 use std::collections::HashSet;
 
 use markbase_graph::builder::WeightResolver;
 use markbase_graph::ir::WeightParam;
 use markbase_graph::audio::{audio_tower_params, AudioConfig};
-use markbase_graph::tower::{build_gemma4_audio_tower, build_gemma4_tower, build_siglip_tower, GEMMA3_PROJECTOR, GEMMA3_PROJECTOR_LINEAR, POSITION_TABLE, SIGLIP_PATCH};
+use markbase_graph::tower::{build_audio_tower, build_gemma4_tower, build_siglip_tower, GEMMA3_PROJECTOR, GEMMA3_PROJECTOR_LINEAR, POSITION_TABLE, SIGLIP_PATCH};
 use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
 use markbase_graph::{Graph, WeightFormat};
 
@@ -83,8 +83,10 @@ pub struct TowerSummary {
     pub soft_tokens: usize,
     /// Audio tower tensors, listed.
     pub audio_tensors: Vec<String>,
-    /// Conformer blocks of the audio tower, where the engine runs it (Gemma 4's).
+    /// Conformer blocks of the audio tower, where the engine runs it (Gemma 4's, Gemma 3n's),
+    /// and which tower it is.
     pub audio_layers: Option<usize>,
+    pub audio_tower: Option<&'static str>,
 }
 
 impl Checkpoint {
@@ -140,7 +142,7 @@ impl Checkpoint {
             }
         }
         if !audio.is_empty() && self.audio_config().ok().flatten().is_none() {
-            r.push(Problem::warning("audio_tower", format!("{} audio tensors ignored: this audio tower is not supported (Gemma 4's is)", audio.len())));
+            r.push(Problem::warning("audio_tower", format!("{} audio tensors ignored: this audio tower is not supported (Gemma 4's and Gemma 3n's are)", audio.len())));
         }
         r
     }
@@ -198,9 +200,9 @@ impl Checkpoint {
         r
     }
 
-    /// The graph of Gemma 4's audio tower over `frames` log-mel frames.
+    /// The graph of the audio tower (Gemma 4's or Gemma 3n's) over `frames` log-mel frames.
     pub fn audio_tower_graph(&self, ac: &AudioConfig, frames: usize) -> Result<Graph, LoadError> {
-        build_gemma4_audio_tower(ac, &TowerResolver(self), frames).map_err(|e| LoadError::Build(e.to_string()))
+        build_audio_tower(ac, &TowerResolver(self), frames).map_err(|e| LoadError::Build(e.to_string()))
     }
 
     /// Checks and copies the weights of an audio tower graph (see
@@ -231,6 +233,7 @@ impl Checkpoint {
         let mut s = TowerSummary {
             audio_tensors: self.audio_tensors().iter().map(|n| n.to_string()).collect(),
             audio_layers: self.audio_config().ok().flatten().map(|a| a.layers),
+            audio_tower: self.audio_config().ok().flatten().map(|a| a.kind.name()),
             ..Default::default()
         };
         let Ok(Some(vc)) = self.vision_config() else { return s };

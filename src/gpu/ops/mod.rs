@@ -307,6 +307,6 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::Argmax | Op::Sample | Op::ArgmaxRows | Op::SampleRows => argmax::lower(cx),
         Op::KvWriteBatched | Op::AttentionBatched { .. } => batched::lower(cx),
         Op::Clamp | Op::Rope2d { .. } | Op::FullAttention { .. } | Op::AvgPool { .. } | Op::LayerNorm { .. } | Op::Scatter => vision::lower(cx),
-        Op::Conv2d { .. } | Op::MaskRows | Op::StridedRows { .. } | Op::Glu | Op::DepthwiseConv1d | Op::AudioAttention { .. } => audio::lower(cx),
+        Op::Conv2d { .. } | Op::CumulativeGroupNorm { .. } | Op::MaskRows | Op::StridedRows { .. } | Op::Glu | Op::DepthwiseConv1d | Op::AudioAttention { .. } => audio::lower(cx),
     }
 }
