@@ -286,3 +286,58 @@ fn the_openai_python_client_sends_images_and_audio() {
     assert!(out.status.success(), "the OpenAI client's multimodal checks failed");
     assert!(stdout.contains("all OpenAI client checks passed"), "{stdout}");
 }
+
+/// Mutated images and clips (flipped bytes, cuts, spliced headers): every answer is a 200 or a
+/// 400 naming the message, never a failure of the server, which keeps serving.
+#[test]
+fn mutated_images_and_clips_never_break_the_server() {
+    let s = Server::start_model(VLM4, &["--backend", "cpu", "--parallel", "2", "--ctx-size", "256"]);
+    let (png, wav) = (file("tests/fixtures/vlm/gemma4/square.png"), file(CLIP));
+    let cases: usize = std::env::var("MARKBASE_SERVER_MEDIA_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(24);
+    let mut r = Rng(0x6d6d_6675_7a7a);
+    let (mut ok, mut refused) = (0, 0);
+    for i in 0..2 * cases {
+        let mut bytes = if i % 2 == 0 { png.clone() } else { wav.clone() };
+        match r.below(4) {
+            0 => bytes.truncate(r.below(bytes.len())),
+            1 => {
+                // the header and the first data bytes, where the sizes and formats are
+                for _ in 0..1 + r.below(4) {
+                    let at = r.below(bytes.len().min(256));
+                    bytes[at] = r.next() as u8;
+                }
+            }
+            2 => {
+                for _ in 0..1 + r.below(16) {
+                    let at = r.below(bytes.len());
+                    bytes[at] ^= 1 << r.below(8);
+                }
+            }
+            _ => {
+                let at = r.below(bytes.len());
+                let junk: Vec<u8> = (0..r.below(64)).map(|_| r.next() as u8).collect();
+                bytes.splice(at..at, junk);
+            }
+        }
+        let part = if i % 2 == 0 {
+            json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(&bytes))}})
+        } else {
+            json!({"type": "input_audio", "input_audio": {"data": b64(&bytes), "format": "wav"}})
+        };
+        let body = json!({"messages": [{"role": "user", "content": [part, text_part("w1")]}], "max_tokens": 1});
+        let (code, v) = s.post("/v1/chat/completions", &body);
+        match code {
+            200 => ok += 1,
+            400 => {
+                refused += 1;
+                assert!(error_message(&v).starts_with("messages[0]: ") || v["error"]["code"] == "context_length_exceeded", "case {i}: {v}");
+            }
+            _ => panic!("case {i}: {code} {v}"),
+        }
+    }
+    eprintln!("mutated media: {ok} answered, {refused} refused");
+    assert!(refused > 0);
+    assert_eq!(s.get("/health").0, 200);
+    let (code, v) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": [image_part("tests/fixtures/vlm/gemma4/square.png")]}], "max_tokens": 1}));
+    assert_eq!(code, 200, "{v}");
+}
