@@ -1,7 +1,8 @@
 //! `markbase serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of the
 //! scheduler, which runs many sequences of one model on one engine thread.
 //!
-//! - `POST /v1/chat/completions`, `POST /v1/completions`: whole answers or SSE streams;
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: whole answers or SSE streams (chat
+//!   content may hold images and audio clips, see [`media`]);
 //! - `GET /v1/models`, `GET /v1/models/{id}`;
 //! - `GET /health`: 503 while the model loads and while shutting down, 200 when ready;
 //! - `GET /metrics`: Prometheus text.
