@@ -255,8 +255,14 @@ fn bad_images_are_refused_with_clear_errors() {
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     assert!(error_message(&v).contains("context of 36"), "{v}");
     // one still fits
-    let (code, v) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": url(format!("data:image/png;base64,{}", b64(&png)))}], "max_tokens": 2}));
+    let one = json!({"messages": [{"role": "user", "content": url(format!("data:image/png;base64,{}", b64(&png)))}], "max_tokens": 2});
+    let (code, v) = s.post("/v1/chat/completions", &one);
     assert_eq!(code, 200, "{v}");
+    // Gemma 3's image run (16 tokens) attends to itself: it must fit one prefill step
+    let s = Server::start_model(VLM3, &["--backend", "cpu", "--parallel", "1", "--ctx-size", "64", "--prefill-chunk", "8"]);
+    let (code, v) = s.post("/v1/chat/completions", &one);
+    assert_eq!(code, 400, "{v}");
+    assert!(error_message(&v).contains("does not fit a prefill step of 8 tokens"), "{v}");
 }
 
 /// The official client sends images and audio (`tests/openai_client.py`, its multimodal
