@@ -32,8 +32,9 @@ use markbase_graph::builder::RECENT_TOKENS;
 use markbase_graph::passes::Compiled;
 
 use crate::cpu::exec::StepInputs;
-use crate::engine::{prefill_steps, Engine, Error, SampleParams};
+use crate::engine::{prefill_steps, step_rows, Engine, Error, SampleParams, StepRows};
 use crate::exec::{Executor, GraphKey, StepOutput};
+use crate::vision::encode::ImagePrompt;
 
 /// Most sequences of a batch on a GPU: the decode graphs' rows stay within one 64-row tile of
 /// the GEMM, whose arithmetic per row is then the same at every row count.
@@ -148,6 +149,47 @@ impl Batch {
     /// ([`prefill_steps`]). With `sampling` (parameters and sampler step), the last position's
     /// token is sampled; with `logits`, its logits are returned.
     pub fn prefill(&mut self, slot: usize, ids: &[u32], logits: bool, sampling: Option<(&SampleParams, u32)>) -> Result<StepOutput, Error> {
+        self.check_prefill(slot, ids, sampling)?;
+        let mut last = StepOutput::default();
+        let mut start = 0;
+        for n in prefill_steps(ids.len(), self.engine.prefill_chunk()) {
+            start += n;
+            last = self.prefill_step(slot, &ids[start - n..start], None, logits && start == ids.len(), sampling)?;
+        }
+        Ok(last)
+    }
+
+    /// [`Batch::prefill`] of a prompt holding image and audio placeholder runs: of `ids` (the
+    /// prompt whose soft tokens `p` holds, see [`Engine::plan`]), the tokens from `start` in
+    /// `steps` (sizes, and whether each takes soft rows: a piece of the plan's steps), each
+    /// placeholder taking its soft row (Gemma 3: each image's run attending to itself).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_soft(
+        &mut self,
+        slot: usize,
+        ids: &[u32],
+        p: &ImagePrompt,
+        start: usize,
+        steps: &[(usize, bool)],
+        logits: bool,
+        sampling: Option<(&SampleParams, u32)>,
+    ) -> Result<StepOutput, Error> {
+        let end = start + steps.iter().map(|s| s.0).sum::<usize>();
+        if ids.len() != p.tokens.len() || end > ids.len() {
+            return Err(Error::Input(format!("steps to token {end} of a prompt of {} tokens ({} soft-token positions)", ids.len(), p.tokens.len())));
+        }
+        self.check_prefill(slot, &ids[start..end], sampling)?;
+        let mut last = StepOutput::default();
+        let mut at = start;
+        for &(n, with_rows) in steps {
+            let rows = with_rows.then(|| step_rows(p, at, n, self.history[slot].len()));
+            at += n;
+            last = self.prefill_step(slot, &ids[at - n..at], rows.as_ref(), logits && at == end, sampling)?;
+        }
+        Ok(last)
+    }
+
+    fn check_prefill(&self, slot: usize, ids: &[u32], sampling: Option<(&SampleParams, u32)>) -> Result<(), Error> {
         self.check_slot(slot)?;
         if ids.is_empty() {
             return Err(Error::Input("no tokens to process".into()));
@@ -164,25 +206,28 @@ impl Batch {
         if have + ids.len() > max_context {
             return Err(Error::Input(format!("context full: {have} + {} tokens exceed max_context {max_context}", ids.len())));
         }
-        let mut last = StepOutput::default();
-        let mut start = 0;
-        for n in prefill_steps(ids.len(), self.engine.prefill_chunk()) {
-            let chunk = &ids[start..start + n];
-            start += n;
-            let sample = sampling.is_some_and(|(s, _)| needs_sampler(s));
-            let key = GraphKey { tokens: n, all_logits: false, sample, images: false };
-            let c = self.graph(key)?;
-            let h = &self.history[slot];
-            let p0 = h.len() as u32;
-            let positions: Vec<u32> = (p0..p0 + n as u32).collect();
-            let recent = recent_of(h, chunk);
-            let words = sampling.map(|(s, step)| s.words(step, recent.len() as u32)).unwrap_or_default();
-            let slot_ids = vec![slot as u32; n];
-            let step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent, slot_ids: &slot_ids, ..Default::default() };
-            last = self.exec.run(key, &c, &step, logits && start == ids.len()).map_err(Error::Device)?;
-            self.history[slot].extend_from_slice(chunk);
+        Ok(())
+    }
+
+    /// One prefill step of `chunk` into slot `slot` (with `rows`: its soft rows).
+    fn prefill_step(&mut self, slot: usize, chunk: &[u32], rows: Option<&StepRows>, logits: bool, sampling: Option<(&SampleParams, u32)>) -> Result<StepOutput, Error> {
+        let n = chunk.len();
+        let sample = sampling.is_some_and(|(s, _)| needs_sampler(s));
+        let key = GraphKey { tokens: n, all_logits: false, sample, images: rows.is_some() };
+        let c = self.graph(key)?;
+        let h = &self.history[slot];
+        let p0 = h.len() as u32;
+        let positions: Vec<u32> = (p0..p0 + n as u32).collect();
+        let recent = recent_of(h, chunk);
+        let words = sampling.map(|(s, step)| s.words(step, recent.len() as u32)).unwrap_or_default();
+        let slot_ids = vec![slot as u32; n];
+        let mut step = StepInputs { tokens: chunk, positions: &positions, sampling: words, recent: &recent, slot_ids: &slot_ids, ..Default::default() };
+        if let Some(r) = rows {
+            step = StepInputs { tokens: &r.tokens, soft_rows: &r.soft_rows, soft_index: &r.soft_index, attend_until: &r.attend_until, ..step };
         }
-        Ok(last)
+        let out = self.exec.run(key, &c, &step, logits).map_err(Error::Device)?;
+        self.history[slot].extend_from_slice(chunk);
+        Ok(out)
     }
 
     /// One decode step of the sequences of `rows` (distinct slots): each row's token is fed

@@ -29,6 +29,7 @@ use crate::gpu::runtime::{GpuExecutor, GpuShared};
 use crate::loader::{Checkpoint, LoadOptions, ProgressFn};
 use crate::tokenizer::Tokenizer;
 use crate::audio::AudioEncoder;
+use crate::vision::encode::ImagePrompt;
 use crate::vision::{ImageEncoder, Modality, Placeholders, RgbImage, SoftTokens};
 use crate::weights::Weights;
 use markbase_graph::audio::AudioConfig;
@@ -226,6 +227,8 @@ impl Engine {
         o.outputs = if decode { Outputs::RowTokens } else { Outputs::LastLogits };
         o.sample = key.sample;
         o.fuse = self.fuse.clone();
+        // a prompt's image steps take a soft row per token (unused rows are zeros)
+        o.soft_rows = if key.images && !decode { key.tokens } else { 0 };
         let g: Graph = match &self.checkpoint {
             Some(ck) => ck.build(o)?,
             None => markbase_graph::build(&self.config, &WeightsResolver(&self.weights), &o).map_err(|e| Error::Config(e.to_string()))?,
@@ -342,6 +345,35 @@ impl Engine {
     /// The placeholder ids of the decoder's image and audio soft tokens.
     pub fn placeholders(&self) -> Placeholders {
         Placeholders { image: self.vision_config().map(|v| v.image_token), audio: self.audio_config().map(|a| a.audio_token) }
+    }
+
+    /// The steps `ids` are fed in (and whether each takes image rows), with their image
+    /// prompt where `images` are given (Gemma 3: no step ends inside an image's run).
+    pub fn plan(&self, ids: &[u32], images: &[SoftTokens]) -> Result<(Option<ImagePrompt>, Vec<(usize, bool)>), Error> {
+        if images.is_empty() {
+            return Ok((None, prefill_steps(ids.len(), self.chunk).into_iter().map(|n| (n, false)).collect()));
+        }
+        for kind in [Modality::Image, Modality::Audio] {
+            if images.iter().any(|s| s.kind == kind) {
+                match kind {
+                    Modality::Image => self.vision_or_err().map(|_| ())?,
+                    Modality::Audio => self.audio_or_err().map(|_| ())?,
+                }
+            }
+        }
+        let p = crate::vision::encode::soft_prompt(ids, &self.placeholders(), images)?;
+        // bidirectional image spans (Gemma 3; Gemma 4 26B/31B on sliding layers) are fed whole
+        let spans = match self.vision_config() {
+            Some(vc) if vc.kind == TowerKind::Siglip || self.config.vision_spans_sliding => image_spans(ids, vc.image_token),
+            _ => vec![],
+        };
+        let mut start = 0;
+        let mut steps = vec![];
+        for n in span_steps(ids.len(), self.chunk, &spans)? {
+            steps.push((n, p.soft_index[start..start + n].iter().any(|&i| i > 0)));
+            start += n;
+        }
+        Ok((Some(p), steps))
     }
 
     /// Compiled graphs so far (one per key; prompts are cut into a bounded set of step sizes).
@@ -527,33 +559,8 @@ impl Session {
         Ok(())
     }
 
-    /// The steps `ids` are fed in (and whether each takes image rows), with their image
-    /// prompt where `images` are given (Gemma 3: no step ends inside an image's run).
-    fn plan(&self, ids: &[u32], images: &[SoftTokens]) -> Result<(Option<crate::vision::encode::ImagePrompt>, Vec<(usize, bool)>), Error> {
-        if images.is_empty() {
-            return Ok((None, prefill_steps(ids.len(), self.engine.chunk).into_iter().map(|n| (n, false)).collect()));
-        }
-        for kind in [Modality::Image, Modality::Audio] {
-            if images.iter().any(|s| s.kind == kind) {
-                match kind {
-                    Modality::Image => self.engine.vision_or_err().map(|_| ())?,
-                    Modality::Audio => self.engine.audio_or_err().map(|_| ())?,
-                }
-            }
-        }
-        let p = crate::vision::encode::soft_prompt(ids, &self.engine.placeholders(), images)?;
-        // bidirectional image spans (Gemma 3; Gemma 4 26B/31B on sliding layers) are fed whole
-        let spans = match self.engine.vision_config() {
-            Some(vc) if vc.kind == TowerKind::Siglip || self.config.vision_spans_sliding => image_spans(ids, vc.image_token),
-            _ => vec![],
-        };
-        let mut start = 0;
-        let mut steps = vec![];
-        for n in span_steps(ids.len(), self.engine.chunk, &spans)? {
-            steps.push((n, p.soft_index[start..start + n].iter().any(|&i| i > 0)));
-            start += n;
-        }
-        Ok((Some(p), steps))
+    fn plan(&self, ids: &[u32], images: &[SoftTokens]) -> Result<(Option<ImagePrompt>, Vec<(usize, bool)>), Error> {
+        self.engine.plan(ids, images)
     }
 
     /// Counters of the last GPU step (submits, dispatches, encode time).
@@ -729,15 +736,15 @@ pub fn image_spans(ids: &[u32], image_token: u32) -> Vec<(usize, usize)> {
 }
 
 /// One prefill step's inputs of an image prompt.
-struct StepRows {
-    tokens: Vec<u32>,
-    soft_rows: Vec<f32>,
-    soft_index: Vec<u32>,
-    attend_until: Vec<u32>,
+pub(crate) struct StepRows {
+    pub tokens: Vec<u32>,
+    pub soft_rows: Vec<f32>,
+    pub soft_index: Vec<u32>,
+    pub attend_until: Vec<u32>,
 }
 
 /// Tokens `start..start + n` of `p` as a step from position `p0`: a soft row per token.
-fn step_rows(p: &crate::vision::encode::ImagePrompt, start: usize, n: usize, p0: usize) -> StepRows {
+pub(crate) fn step_rows(p: &ImagePrompt, start: usize, n: usize, p0: usize) -> StepRows {
     let width = p.soft_rows.len() / p.soft_index.iter().filter(|&&i| i > 0).count().max(1);
     let mut soft_rows = vec![0f32; n * width];
     let mut soft_index = vec![0u32; n];

@@ -1,7 +1,8 @@
 //! The batched decode step (`markbase::batch`) on a tiny Gemma 3 fixture (sliding window 8),
 //! on the CPU reference and on the GPU (lavapipe in CI): each sequence's logits against a
 //! session running it alone (the one-sequence graphs), and batch invariance: 16 sequences
-//! admitted at different steps, greedy and sampled, token-identical to each run alone.
+//! admitted at different steps, greedy and sampled, token-identical to each run alone; and
+//! prompts with an image (the tiny Gemma 3 vision fixture) fed in a batch's slots.
 
 use std::sync::Arc;
 
@@ -196,4 +197,68 @@ fn bad_rows_are_errors() {
     assert!(b.decode(&[Row { slot: 0, token: 99999, sampling: &g, step: 0 }], false).unwrap_err().to_string().contains("vocabulary"));
     assert!(b.prefill(0, &[2; 65], false, None).unwrap_err().to_string().contains("context"));
     assert!(Batch::new(&e, 0).is_err());
+}
+
+/// Prompts with an image in a batch's slots (the tiny Gemma 3 vision fixture, whose image runs
+/// attend to themselves): fed a plan step at a time beside a text sequence, their logits match
+/// a session's, and so do the decode steps after them.
+fn image_prompts_match_sessions(device: DeviceKind, bound: f32) {
+    use markbase::vision::{load_image, prompt::Part};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let e = Engine::load(root.join("tests/fixtures/vlm/gemma3"), ModelOptions { device, max_context: 96, prefill_chunk: 16, ..Default::default() }).unwrap();
+    let v = e.config.vocab_size;
+    let mut b = Batch::new(&e, 3).unwrap();
+    let greedy = SampleParams::default();
+    b.prefill(0, &[2, 5, 9, 11], false, None).unwrap();
+    let mut sessions = vec![];
+    let mut next = vec![];
+    for (slot, file) in [(2, "square.png"), (1, "wide.png")] {
+        let mut s = e.session().unwrap();
+        let img = load_image(&root.join("tests/fixtures/vlm/gemma3").join(file)).unwrap();
+        let p = s.prompt(&[Part::Text("w1 w2 w3".into()), Part::Image(img), Part::Text("w4".into())], true).unwrap();
+        let (ip, steps) = e.plan(&p.ids, &p.soft).unwrap();
+        let ip = ip.unwrap();
+        assert!(steps.len() > 1 && steps.iter().any(|s| s.1), "{steps:?}");
+        // a step at a time, as the server's scheduler feeds them between decode steps
+        let mut at = 0;
+        let mut bl = None;
+        for (k, step) in steps.iter().enumerate() {
+            let out = b.prefill_soft(slot, &p.ids, &ip, at, &[*step], k + 1 == steps.len(), None).unwrap();
+            at += step.0;
+            bl = out.logits;
+        }
+        let sl = s.forward_with_images(&p.ids, &p.soft, true, None).unwrap().logits.unwrap();
+        let last = &sl[sl.len() - v..];
+        assert_close(&bl.unwrap(), last, bound, file);
+        next.push(markbase::cpu::ops::argmax(last));
+        sessions.push((slot, s));
+    }
+    for step in 0..4 {
+        let rows: Vec<Row> = sessions.iter().zip(&next).map(|((slot, _), &token)| Row { slot: *slot, token, sampling: &greedy, step: 0 }).collect();
+        let bl = b.decode(&rows, true).unwrap().logits.unwrap();
+        for (r, (_, s)) in sessions.iter_mut().enumerate() {
+            let sl = s.forward(&[next[r]], true, None).unwrap().logits.unwrap();
+            assert_close(&bl[r * v..(r + 1) * v], &sl, bound, &format!("decode step {step}, row {r}"));
+            next[r] = markbase::cpu::ops::argmax(&sl);
+        }
+    }
+    // bad pieces are errors
+    let (p, ip) = (vec![2u32; 4], e.plan(&[2, 3], &[]).unwrap().0);
+    assert!(ip.is_none());
+    let s = e.session().unwrap();
+    let img = load_image(&root.join("tests/fixtures/vlm/gemma3/square.png")).unwrap();
+    let q = s.prompt(&[Part::Image(img)], true).unwrap();
+    let qp = e.plan(&q.ids, &q.soft).unwrap().0.unwrap();
+    assert!(b.prefill_soft(0, &p, &qp, 0, &[(4, false)], false, None).unwrap_err().to_string().contains("steps to token"));
+    assert!(b.prefill_soft(0, &q.ids, &qp, 0, &[(q.ids.len() + 1, false)], false, None).is_err());
+}
+
+#[test]
+fn cpu_image_prompts_in_a_batch_match_sessions() {
+    image_prompts_match_sessions(DeviceKind::Cpu, 1e-5);
+}
+
+#[test]
+fn gpu_image_prompts_in_a_batch_match_sessions() {
+    image_prompts_match_sessions(gpu(), 2e-3);
 }

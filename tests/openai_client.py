@@ -3,9 +3,13 @@
 Run by tests/server.rs, which starts the server and sets MARKBASE_URL (the /v1 base URL),
 MARKBASE_KEY and MARKBASE_MODEL. Checks chat and completions, whole and streamed, errors as
 the client raises them, and a load test: concurrent greedy streams, each equal to the same
-request run alone, then the server's metrics. Exits non-zero on the first failure.
+request run alone, then the server's metrics. With MARKBASE_MM_IMAGE (a vision and audio
+checkpoint's server), the multimodal checks instead: an image and an audio clip in chat
+content parts, whole and streamed, each answer equal to the library's (MARKBASE_MM_*_REPLY),
+and bad media refused. Exits non-zero on the first failure.
 """
 
+import base64
 import os
 import sys
 import time
@@ -150,8 +154,54 @@ def load():
     )
 
 
+def mm_chat(content):
+    """A greedy chat turn of `content` parts, whole and streamed: its text."""
+    tokens = int(os.environ["MARKBASE_MM_TOKENS"])
+    msgs = [{"role": "user", "content": content}]
+    args = dict(model=MODEL, messages=msgs, max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**args)
+    text = r.choices[0].message.content
+    check(r.usage.completion_tokens == tokens, f"usage {r.usage}")
+    parts = []
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+    check("".join(parts) == text, f"streamed {''.join(parts)!r} != whole {text!r}")
+    return text
+
+
+def b64(path):
+    with open(path, "rb") as f:
+        return base64.b64encode(f.read()).decode()
+
+
+def multimodal():
+    text = os.environ["MARKBASE_MM_TEXT"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(os.environ["MARKBASE_MM_IMAGE"])}}
+    audio = {"type": "input_audio", "input_audio": {"data": b64(os.environ["MARKBASE_MM_AUDIO"]), "format": "wav"}}
+    got = mm_chat([image, {"type": "text", "text": text}])
+    want = os.environ["MARKBASE_MM_IMAGE_REPLY"]
+    check(got == want, f"image: the server's {got!r} != the library's {want!r}")
+    got = mm_chat([{"type": "text", "text": text}, audio])
+    want = os.environ["MARKBASE_MM_AUDIO_REPLY"]
+    check(got == want, f"audio: the server's {got!r} != the library's {want!r}")
+    bad = [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "not fetched"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "not a PNG"),
+        ({"type": "input_audio", "input_audio": {"data": audio["input_audio"]["data"], "format": "aiff"}}, "unsupported audio format"),
+        ({"type": "input_audio", "input_audio": {"data": "!!", "format": "wav"}}, "base64"),
+    ]
+    for part, words in bad:
+        try:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [part]}], max_tokens=2)
+            check(False, f"accepted: {part}")
+        except openai.BadRequestError as e:
+            check(words in str(e), f"400 message {e} lacks {words!r}")
+
+
 if __name__ == "__main__":
-    for f in (models, completions, chat, errors, load):
+    checks = (models, multimodal) if os.environ.get("MARKBASE_MM_IMAGE") else (models, completions, chat, errors, load)
+    for f in checks:
         t = time.time()
         f()
         print(f"{f.__name__}: ok ({time.time() - t:.1f}s)", flush=True)

@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+/// Images and audio clips in chat requests, against the tiny vision (and audio) fixtures.
+#[path = "server/multimodal.rs"]
+mod multimodal;
+
 const FIXTURE: &str = "tests/fixtures/gemma3_text-q4";
 
 fn root() -> PathBuf {
@@ -28,7 +32,11 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
-        let mut args = vec!["serve", "-m", FIXTURE, "--port", "0", "--alias", "tiny"];
+        Server::start_model(FIXTURE, extra)
+    }
+
+    fn start_model(model: &str, extra: &[&str]) -> Server {
+        let mut args = vec!["serve", "-m", model, "--port", "0", "--alias", "tiny"];
         args.extend_from_slice(extra);
         let mut child = Command::new(env!("CARGO_BIN_EXE_markbase"))
             .args(&args)
@@ -290,7 +298,9 @@ fn serves_completions_and_chat_and_refuses_bad_requests() {
         ("/v1/completions", b"{\"max_tokens\": 3}", 400, "prompt is required"),
         ("/v1/chat/completions", b"{\"messages\": []}", 400, "must not be empty"),
         ("/v1/chat/completions", b"{\"messages\": [{\"role\": \"wizard\", \"content\": \"x\"}]}", 400, "unsupported role"),
-        ("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400, "not supported"),
+        ("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400, "no vision tower"),
+        ("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"input_audio\"}]}]}", 400, "no audio tower"),
+        ("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"video_url\"}]}]}", 400, "not supported"),
         ("/v1/nothing", b"{}", 404, "no such endpoint"),
     ];
     for (path, body, want, words) in bad {
@@ -624,7 +634,7 @@ fn long_prompts_are_prefilled_in_chunks_between_decode_steps() {
     let opts = ModelOptions { device: DeviceKind::Cpu, max_context: 1024, prefill_chunk: 16, ..Default::default() };
     let engine = Engine::load(root().join(FIXTURE), opts).unwrap();
     let (sched, worker) = Scheduler::start(engine, 2, 4, std::sync::Arc::new(Metrics::default())).unwrap();
-    let req = |prompt: Vec<u32>, max_tokens| Request { prompt, max_tokens, sampling: SampleParams::default(), stop: vec![], ignore_eos: true, logprobs: None };
+    let req = |prompt: Vec<u32>, max_tokens| Request { prompt, max_tokens, sampling: SampleParams::default(), stop: vec![], ignore_eos: true, logprobs: None, soft: vec![] };
     let text = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>| {
         let mut t = String::new();
         while let Some(e) = rx.blocking_recv() {

@@ -7,8 +7,10 @@
 // element. Bindings: 0 params, 1 x, 2 pos, 3 slot, 4 cache.
 //
 // ATTENTION: one workgroup per (query head, row); query t attends to the positions
-// max(0, pos[t] + 1 - window) ..= pos[t] of its sequence slot, in blocks of WG keys with an
-// online softmax. Idle rows get zeros. Bindings: 0 params, 1 q, 2 pos, 3 slot, 4 k, 5 v, 6 out.
+// max(0, pos[t] + 1 - window) ..= hi of its sequence slot, in blocks of WG keys with an
+// online softmax: hi = pos[t], or max(pos[t], pos[T + t]) with attention bounds (spans: an
+// image span's tokens see the whole span). Idle rows get zeros. Bindings: 0 params, 1 q,
+// 2 pos, 3 slot, 4 k, 5 v, 6 out.
 //
 // Prelude consts: WG (a power of two, at most 256), MAXD (dims per invocation: D <= WG * MAXD).
 // Flags: KV_WRITE, ATTENTION.
@@ -23,6 +25,11 @@ struct Params {
     // positions a query sees back to its own, itself included (0: all)
     window: u32,
     scale: f32,
+    // 1: pos holds attention bounds [2, T]
+    spans: u32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -91,6 +98,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         wu[1] = pos[t];
     }
     let s = workgroupUniformLoad(&wu[0]);
+    let pp = workgroupUniformLoad(&wu[1]);
+    // the last key: the query's own position, or its image span's last (attention bounds)
+    if lid == 0u && p.spans != 0u {
+        wu[1] = max(pos[p.T + t], pp);
+    }
     let last = workgroupUniformLoad(&wu[1]);
     if s >= p.N {
         for (var d = lid; d < D; d += WG) {
@@ -104,8 +116,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     workgroupBarrier();
     let kh = h / (p.nq / p.nkv);
     var lo = 0u;
-    if p.window > 0u && last + 1u > p.window {
-        lo = last + 1u - p.window;
+    if p.window > 0u && pp + 1u > p.window {
+        lo = pp + 1u - p.window;
     }
     let neg = bitcast<f32>(0xff800000u);
     var m = neg;

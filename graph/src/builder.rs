@@ -150,8 +150,8 @@ pub fn build(cfg: &ModelConfig, res: &dyn WeightResolver, o: &BuildOptions) -> R
             o.tokens, o.chunk, o.max_context
         )));
     }
-    if o.batch > 0 && o.soft_rows > 0 {
-        return Err(BuildError::Config("a batch of sequences takes no image rows".into()));
+    if rows && o.soft_rows > 0 {
+        return Err(BuildError::Config("a batch's decode step takes no image rows (a prompt's prefill steps do)".into()));
     }
     if (o.outputs == Outputs::RowTokens) != (o.batch > 0 && o.kind == GraphKind::Decode) {
         return Err(BuildError::Config("a token per row is the output of a batch's decode step, and only of it".into()));

@@ -153,11 +153,13 @@ pub enum Op {
     /// row `t` is written at position slot `pos[t] % S` of sequence slot `slot[t]`. Rows whose
     /// `slot[t] >= N` (idle rows of a batch) write nothing. The output is the cache itself.
     KvWriteBatched,
-    /// `[q: f32[T, nq, D], pos: u32[T], slot: u32[T], k: state[N, S, nkv, D], v: state[N, S, nkv, D]]
-    /// -> f32[T, nq, D]`: [`Op::Attention`] of each row over its own sequence slot: query `t`
-    /// attends to the positions `j <= pos[t]` (and `j > pos[t] - window`) of slot `slot[t]`,
-    /// read from position slot `j % S`. GQA as [`Op::Attention`]. Rows whose `slot[t] >= N`
-    /// get zeros. Each row's arithmetic depends on its own inputs only.
+    /// `[q: f32[T, nq, D], pos: u32[T] | u32[2, T], slot: u32[T], k: state[N, S, nkv, D], v:
+    /// state[N, S, nkv, D]] -> f32[T, nq, D]`: [`Op::Attention`] of each row over its own
+    /// sequence slot: query `t` attends to the positions `j <= pos[t]` (and `j > pos[t] -
+    /// window`) of slot `slot[t]`, read from position slot `j % S`; with attention bounds
+    /// `[2, T]` (a prompt's image spans), to `j <= max(pos[t], pos[T + t])`. GQA as
+    /// [`Op::Attention`]. Rows whose `slot[t] >= N` get zeros. Each row's arithmetic depends
+    /// on its own inputs only.
     AttentionBatched { scale: f32, window: Option<usize> },
     /// `[x: f32[T, H, D], pos: u32[T], w?: f32-weight[D], cache: state[S, heads, D]] -> state`:
     /// [`Op::NormRope`] of x written straight into a cache as [`Op::KvWrite`] writes (k's norm,
@@ -642,7 +644,9 @@ impl Op {
                 let q = f32_in(0)?;
                 let (p, s) = (u32_in(1)?, u32_in(2)?);
                 let (k, v) = (f32_in(3)?, f32_in(4)?);
-                if q.shape.len() != 3 || k.shape.len() != 4 || k.shape != v.shape || p.shape != [q.shape[0]] || s.shape != p.shape {
+                // positions `[T]`, or attention bounds `[2, T]` (positions, then each row's last visible one)
+                let bounds = p.shape == [q.shape.first().copied().unwrap_or(0)] || p.shape == [2, q.shape.first().copied().unwrap_or(0)];
+                if q.shape.len() != 3 || k.shape.len() != 4 || k.shape != v.shape || !bounds || s.shape != [q.shape[0]] {
                     return Err(err(format!("q {} pos {} slot {} k {} v {}", q.describe(), p.describe(), s.describe(), k.describe(), v.describe())));
                 }
                 if q.shape[2] != k.shape[3] || k.shape[2] == 0 || q.shape[1] % k.shape[2] != 0 || k.shape[0] == 0 || k.shape[1] == 0 {

@@ -1,13 +1,11 @@
 //! Compressed and other container formats through symphonia: FLAC, MP3, OGG/Vorbis (and
 //! the WAV variants our own reader leaves alone).
 
-use std::path::Path;
-
 use symphonia::core::audio::SampleBuffer;
 use symphonia::core::codecs::{DecoderOptions, CODEC_TYPE_NULL};
 use symphonia::core::errors::Error as SymError;
 use symphonia::core::formats::FormatOptions;
-use symphonia::core::io::MediaSourceStream;
+use symphonia::core::io::{MediaSource, MediaSourceStream};
 use symphonia::core::meta::MetadataOptions;
 use symphonia::core::probe::Hint;
 
@@ -31,19 +29,20 @@ fn describe(name: &str, e: SymError) -> Error {
     }
 }
 
-/// Decodes the first audio track of `file` to mono f32 at the stream's rate. A panic inside
-/// the decoder on a malformed stream is turned into an error.
-pub(crate) fn read(file: std::fs::File, path: &Path, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_stream(file, path, name, max_seconds)))
+/// Decodes the first audio track of `source` (a file or bytes; `ext`: the container's usual
+/// file extension, a hint) to mono f32 at the stream's rate. A panic inside the decoder on a
+/// malformed stream is turned into an error.
+pub(crate) fn read(source: Box<dyn MediaSource>, ext: Option<&str>, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_stream(source, ext, name, max_seconds)))
         .unwrap_or_else(|_| Err(audio_err(format!("{name}: corrupt audio data (the decoder failed on it)"))))
 }
 
-fn read_stream(file: std::fs::File, path: &Path, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
+fn read_stream(source: Box<dyn MediaSource>, ext: Option<&str>, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
     let mut hint = Hint::new();
-    if let Some(ext) = path.extension().and_then(|e| e.to_str()) {
+    if let Some(ext) = ext {
         hint.with_extension(ext);
     }
-    let mss = MediaSourceStream::new(Box::new(file), Default::default());
+    let mss = MediaSourceStream::new(source, Default::default());
     let probed = symphonia::default::get_probe()
         .format(&hint, mss, &FormatOptions { enable_gapless: true, ..Default::default() }, &MetadataOptions::default())
         .map_err(|e| match e {

@@ -108,12 +108,36 @@ pub fn decode_file(path: &std::path::Path, max_seconds: f64) -> Result<Decoded, 
     let d = if wav::is_wav(&head[..n]) {
         wav::read(&mut std::io::BufReader::new(file), len, &name, max_seconds)?
     } else {
-        decode::read(file, path, &name, max_seconds)?
+        decode::read(Box::new(file), path.extension().and_then(|e| e.to_str()), &name, max_seconds)?
     };
+    not_empty(d, &name)
+}
+
+/// [`decode_file`] of a clip held in memory: `name` stands for it in errors, `ext` (the
+/// container's usual file extension: `flac`, `mp3`, `ogg`, `wav`) is a hint to the decoder.
+pub fn decode_bytes(bytes: Vec<u8>, ext: &str, name: &str, max_seconds: f64) -> Result<Decoded, Error> {
+    if bytes.is_empty() {
+        return Err(audio_err(format!("{name}: the clip is empty")));
+    }
+    let d = if wav::is_wav(&bytes[..bytes.len().min(12)]) {
+        let len = bytes.len() as u64;
+        wav::read(&mut std::io::Cursor::new(bytes), len, name, max_seconds)?
+    } else {
+        decode::read(Box::new(std::io::Cursor::new(bytes)), Some(ext), name, max_seconds)?
+    };
+    not_empty(d, name)
+}
+
+fn not_empty(d: Decoded, name: &str) -> Result<Decoded, Error> {
     if d.samples.is_empty() {
         return Err(audio_err(format!("{name}: the clip holds no samples")));
     }
     Ok(d)
+}
+
+/// [`load`] of a clip held in memory (see [`decode_bytes`]).
+pub fn load_bytes(bytes: Vec<u8>, ext: &str, name: &str, opts: &LoadOptions) -> Result<Vec<f32>, Error> {
+    at_rate(decode_bytes(bytes, ext, name, opts.max_seconds)?, opts)
 }
 
 fn read_head(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -130,7 +154,10 @@ fn read_head(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
 
 /// Reads a clip as mono f32 samples at `opts.rate` Hz: decode, downmix, resample.
 pub fn load(path: &std::path::Path, opts: &LoadOptions) -> Result<Vec<f32>, Error> {
-    let d = decode_file(path, opts.max_seconds)?;
+    at_rate(decode_file(path, opts.max_seconds)?, opts)
+}
+
+fn at_rate(d: Decoded, opts: &LoadOptions) -> Result<Vec<f32>, Error> {
     check_rate(opts.rate, "the target rate")?;
     resample(&d.samples, d.rate, opts.rate)
 }

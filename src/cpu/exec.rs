@@ -317,12 +317,16 @@ pub fn run(c: &Compiled, w: &mut CpuWeights, state: &mut CpuState, step: &StepIn
                         let (nq, d) = (node.ty.shape[1], node.ty.shape[2]);
                         let cs = &g.node(ins[3]).ty.shape;
                         let (seqs, slots, nkv) = (cs[0], cs[1], cs[2]);
-                        if let Some((t, &pp)) = p.u().iter().enumerate().find(|&(t, &pp)| window.is_none() && pp as usize >= slots && (sl.u()[t] as usize) < seqs) {
-                            return Err(format!("position {pp} (row {t}) exceeds the KV cache of {slots} slots"));
+                        // positions, or attention bounds: the positions, then each row's last visible one
+                        let t = sl.u().len();
+                        let (pos, until) = if p.u().len() == 2 * t { p.u().split_at(t) } else { (p.u(), p.u()) };
+                        let hi = |t: usize| pos[t].max(until[t]) as usize;
+                        if let Some(t) = (0..t).find(|&t| window.is_none() && hi(t) >= slots && (sl.u()[t] as usize) < seqs) {
+                            return Err(format!("position {} (row {t}) exceeds the KV cache of {slots} slots", hi(t)));
                         }
                         let k = state.caches.get(&state_key(g, ins[3])).ok_or("state missing")?;
                         let v = state.caches.get(&state_key(g, ins[4])).ok_or("state missing")?;
-                        ops::attention_batched(q.f(), p.u(), sl.u(), k, v, seqs, nq, nkv, d, *scale, *window, &mut out);
+                        ops::attention_batched(q.f(), pos, until, sl.u(), k, v, seqs, nq, nkv, d, *scale, *window, &mut out);
                         Val::F(Arc::new(out))
                     }
                     Op::ArgmaxRows => {

@@ -111,12 +111,13 @@ pub fn kv_write_batched(x: &[f32], pos: &[u32], slot: &[u32], seqs: usize, row: 
 }
 
 /// [`attention`] of each row of `q[T, nq, d]` over its own sequence slot `slot[t]` of the
-/// batch caches `k, v[N, S, nkv, d]` (rows with `slot[t] >= N`: zeros).
+/// batch caches `k, v[N, S, nkv, d]` (rows with `slot[t] >= N`: zeros); `until`: each row's
+/// last visible position where image spans attend to themselves (else `pos`).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_batched(q: &[f32], pos: &[u32], slot: &[u32], k: &[f32], v: &[f32], seqs: usize, nq: usize, nkv: usize, d: usize, scale: f32, window: Option<usize>, out: &mut [f32]) {
+pub fn attention_batched(q: &[f32], pos: &[u32], until: &[u32], slot: &[u32], k: &[f32], v: &[f32], seqs: usize, nq: usize, nkv: usize, d: usize, scale: f32, window: Option<usize>, out: &mut [f32]) {
     let per = k.len() / seqs.max(1);
     let qrow = nq * d;
-    for (t, (&p, &s)) in pos.iter().zip(slot).enumerate() {
+    for (t, ((&p, &u), &s)) in pos.iter().zip(until).zip(slot).enumerate() {
         let o = &mut out[t * qrow..(t + 1) * qrow];
         let s = s as usize;
         if s >= seqs {
@@ -124,7 +125,7 @@ pub fn attention_batched(q: &[f32], pos: &[u32], slot: &[u32], k: &[f32], v: &[f
             continue;
         }
         let (ks, vs) = (&k[s * per..(s + 1) * per], &v[s * per..(s + 1) * per]);
-        attention(&q[t * qrow..(t + 1) * qrow], &[p], &[p], ks, vs, nq, nkv, d, scale, window, o);
+        attention(&q[t * qrow..(t + 1) * qrow], &[p], &[u], ks, vs, nq, nkv, d, scale, window, o);
     }
 }
 

@@ -6,9 +6,12 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::media;
 use super::scheduler::Request;
-use crate::engine::SampleParams;
-use crate::tokenizer::{render_chat_template, Message, Tokenizer};
+use crate::engine::{Engine, SampleParams};
+use crate::tokenizer::{render_chat_template, ContentPart, Message, PartsMessage, Tokenizer};
+use crate::vision::prompt::{audio_marker, image_marker, rendered_chat_prompt};
+use crate::vision::SoftTokens;
 
 /// An error answered in the API's shape.
 #[derive(Debug)]
@@ -58,12 +61,19 @@ pub enum Content {
     Parts(Vec<Part>),
 }
 
+/// A content part: `text`, `image_url` (`{"url": "data:image/png;base64,..."}`) or
+/// `input_audio` (`{"data": "<base64>", "format": "wav"}`); the media parts are read by
+/// [`media`], with their own errors.
 #[derive(Deserialize, Debug)]
 pub struct Part {
     #[serde(rename = "type")]
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
+    #[serde(default)]
+    pub image_url: Option<Value>,
+    #[serde(default)]
+    pub input_audio: Option<Value>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -173,6 +183,10 @@ pub struct Limits<'a> {
     pub chat_template: Option<&'a str>,
     pub max_context: usize,
     pub vocab: usize,
+    /// The model, whose towers encode a request's images and clips.
+    pub engine: &'a Engine,
+    /// The sample rate the audio tower's features take.
+    pub audio_rate: u32,
 }
 
 /// Checks a request's parameters and builds its prompt.
@@ -199,13 +213,16 @@ pub fn check(r: ApiRequest, ep: Endpoint, lim: &Limits, seed_source: impl FnOnce
     if r.echo == Some(true) || r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::bad("echo and suffix are not supported"));
     }
+    let mut soft = vec![];
     let prompt = match ep {
         Endpoint::Chat => {
             if r.prompt.is_some() {
                 return Err(ApiError::bad("chat completions take messages, not prompt (see /v1/completions)").param("prompt"));
             }
             let messages = r.messages.as_deref().ok_or_else(|| ApiError::bad("messages is required").param("messages"))?;
-            chat_prompt(messages, lim)?
+            let (ids, s) = chat_prompt(messages, lim)?;
+            soft = s;
+            ids
         }
         Endpoint::Completions => {
             if r.messages.is_some() {
@@ -277,7 +294,7 @@ pub fn check(r: ApiRequest, ep: Endpoint, lim: &Limits, seed_source: impl FnOnce
     if logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
         return Err(ApiError::bad(format!("at most {MAX_TOP_LOGPROBS} top log-probabilities")).param("top_logprobs"));
     }
-    let req = Request { prompt, max_tokens, sampling, stop, ignore_eos: r.ignore_eos.unwrap_or(false), logprobs: logprobs.map(|n| n as usize) };
+    let req = Request { prompt, max_tokens, sampling, stop, ignore_eos: r.ignore_eos.unwrap_or(false), logprobs: logprobs.map(|n| n as usize), soft };
     let stream = r.stream.unwrap_or(false);
     if r.stream_options.is_some() && !stream {
         return Err(ApiError::bad("stream_options is only allowed with stream: true").param("stream_options"));
@@ -285,11 +302,14 @@ pub fn check(r: ApiRequest, ep: Endpoint, lim: &Limits, seed_source: impl FnOnce
     Ok(Checked { req, stream, include_usage: r.stream_options.is_some_and(|o| o.include_usage) })
 }
 
-fn chat_prompt(messages: &[ChatMessage], lim: &Limits) -> Result<Vec<u32>, ApiError> {
+/// The prompt of a chat: its ids and, where the messages hold images or clips, the soft
+/// tokens of their placeholder runs (the towers run here).
+fn chat_prompt(messages: &[ChatMessage], lim: &Limits) -> Result<(Vec<u32>, Vec<SoftTokens>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty").param("messages"));
     }
     let mut msgs = Vec::with_capacity(messages.len());
+    let mut media = vec![];
     for (i, m) in messages.iter().enumerate() {
         let role = match m.role.as_str() {
             "system" | "developer" => "system",
@@ -298,28 +318,65 @@ fn chat_prompt(messages: &[ChatMessage], lim: &Limits) -> Result<Vec<u32>, ApiEr
             other => return Err(ApiError::bad(format!("messages[{i}]: unsupported role {other:?} (system, developer, user, assistant)")).param("messages")),
         };
         let content = match &m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t.clone(),
+            None => vec![],
+            Some(Content::Text(t)) => vec![ContentPart::Text { text: t.clone() }],
             Some(Content::Parts(parts)) => {
-                let mut s = String::new();
+                let mut content = Vec::with_capacity(parts.len());
                 for p in parts {
-                    match (p.kind.as_str(), &p.text) {
-                        ("text", Some(t)) => s.push_str(t),
+                    content.push(match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => ContentPart::Text { text: t.clone() },
                         ("text", None) => return Err(ApiError::bad(format!("messages[{i}]: a text part needs text")).param("messages")),
-                        (k, _) => return Err(ApiError::bad(format!("messages[{i}]: content parts of type {k:?} are not supported by this model server")).param("messages")),
-                    }
+                        ("image_url", _) => {
+                            media.push(media::image(p.image_url.as_ref(), i, lim.engine)?);
+                            ContentPart::Image
+                        }
+                        ("input_audio", _) => {
+                            media.push(media::audio(p.input_audio.as_ref(), i, lim.engine, lim.audio_rate)?);
+                            ContentPart::Audio
+                        }
+                        (k, _) => {
+                            return Err(ApiError::bad(format!("messages[{i}]: content parts of type {k:?} are not supported (text, image_url, input_audio)")).param("messages"))
+                        }
+                    });
                 }
-                s
+                content
             }
         };
-        msgs.push(Message { role: role.into(), content });
+        msgs.push(PartsMessage::new(role, content));
     }
     let bos = lim.tokenizer.bos_token.as_deref().unwrap_or_default();
+    let err = |e: crate::Error| ApiError::bad(e.to_string()).param("messages");
     let text = match lim.chat_template {
-        Some(t) => render_chat_template(t, bos, &msgs, true).map_err(|e| ApiError::bad(e.to_string()).param("messages"))?,
-        None => gemma_turns(bos, &msgs),
+        Some(t) => render_chat_template(t, bos, &msgs, true).map_err(err)?,
+        None => gemma_turns(bos, &text_messages(&msgs, lim)?),
     };
-    lim.tokenizer.encode(&text, true).map_err(|e| ApiError::bad(e.to_string()))
+    if media.is_empty() {
+        return Ok((lim.tokenizer.encode(&text, true).map_err(|e| ApiError::bad(e.to_string()))?, vec![]));
+    }
+    let soft = media::encode(lim.engine, &media)?;
+    let p = rendered_chat_prompt(lim.engine, &msgs, &text, soft).map_err(media::api_error)?;
+    // the steps it is fed in: an image that attends to itself fits one prefill step
+    lim.engine.plan(&p.ids, &p.soft).map_err(media::api_error)?;
+    Ok((p.ids, p.soft))
+}
+
+/// The messages as text, each image and clip as the marker the processor expands (for Gemma's
+/// turn format, which has no content items).
+fn text_messages(msgs: &[PartsMessage], lim: &Limits) -> Result<Vec<Message>, ApiError> {
+    let err = |e: crate::Error| ApiError::bad(e.to_string()).param("messages");
+    msgs.iter()
+        .map(|m| {
+            let mut content = String::new();
+            for p in &m.content {
+                match p {
+                    ContentPart::Text { text } => content.push_str(text),
+                    ContentPart::Image => content.push_str(&image_marker(lim.tokenizer, lim.engine.vision_or_err().map_err(err)?).map_err(err)?),
+                    ContentPart::Audio => content.push_str(&audio_marker(lim.tokenizer, lim.engine.audio_or_err().map_err(err)?).map_err(err)?),
+                }
+            }
+            Ok(Message { role: m.role.clone(), content })
+        })
+        .collect()
 }
 
 /// Gemma's turn format, for checkpoints that ship no chat template: system text opens the

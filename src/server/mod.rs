@@ -1,7 +1,8 @@
 //! `markbase serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of the
 //! scheduler, which runs many sequences of one model on one engine thread.
 //!
-//! - `POST /v1/chat/completions`, `POST /v1/completions`: whole answers or SSE streams;
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: whole answers or SSE streams (chat
+//!   content may hold images and audio clips, see [`media`]);
 //! - `GET /v1/models`, `GET /v1/models/{id}`;
 //! - `GET /health`: 503 while the model loads and while shutting down, 200 when ready;
 //! - `GET /metrics`: Prometheus text.
@@ -10,6 +11,7 @@
 //! stops taking requests (503), finishes those accepted, then exits.
 
 pub mod api;
+pub mod media;
 pub mod metrics;
 pub mod routes;
 pub mod scheduler;
@@ -88,6 +90,8 @@ pub struct Ready {
     pub engine: Arc<Engine>,
     pub scheduler: Scheduler,
     pub chat_template: Option<String>,
+    /// The sample rate of the audio tower's features (clips are resampled to it).
+    pub audio_rate: u32,
 }
 
 /// The state every handler shares.
@@ -134,8 +138,21 @@ impl App {
 
     pub fn model_card(&self) -> serde_json::Value {
         let ctx = self.ready.get().map(|r| r.engine.max_context());
-        json!({"id": self.model, "object": "model", "created": self.created, "owned_by": "markbase", "max_model_len": ctx})
+        let modalities = self.ready.get().map(|r| modalities(&r.engine));
+        json!({"id": self.model, "object": "model", "created": self.created, "owned_by": "markbase", "max_model_len": ctx, "modalities": modalities})
     }
+}
+
+/// What a model takes in: text, and images and audio where it has the towers.
+pub fn modalities(engine: &Engine) -> Vec<&'static str> {
+    let mut m = vec!["text"];
+    if engine.vision_config().is_some() {
+        m.push("image");
+    }
+    if engine.audio_config().is_some() {
+        m.push("audio");
+    }
+    m
 }
 
 /// Compares two keys in time independent of where they differ.
@@ -240,11 +257,16 @@ async fn run(a: ServeArgs, app: Arc<App>, device: crate::engine::DeviceKind, max
             if let Some(n) = engine.notice() {
                 eprintln!("note: {n}");
             }
+            let audio_rate = match (engine.audio_config(), engine.dir()) {
+                (Some(_), Some(dir)) => crate::audio::FeatureConfig::from_checkpoint(dir).map_err(|e| e.to_string())?.sampling_rate,
+                _ => crate::audio::LoadOptions::default().rate,
+            };
             let (scheduler, handle) = Scheduler::start(engine.clone(), parallel, max_queue, app2.metrics.clone())?;
             let device = engine.session().map(|s| s.device()).unwrap_or_default();
-            let _ = app2.ready.set(Ready { engine, scheduler, chat_template });
+            let inputs = modalities(&engine).join(", ");
+            let _ = app2.ready.set(Ready { engine, scheduler, chat_template, audio_rate });
             eprintln!(
-                "ready: {} on {device}, {parallel} sequences of {max_context} tokens, loaded in {:.1}s",
+                "ready: {} on {device}, {parallel} sequences of {max_context} tokens, input {inputs}, loaded in {:.1}s",
                 app2.model,
                 t0.elapsed().as_secs_f64()
             );

@@ -54,7 +54,10 @@ async fn generate(app: Arc<App>, body: Body, ep: Endpoint) -> Result<Response, A
     let checked = tokio::task::spawn_blocking(move || {
         let ready = a.ready()?;
         let tokenizer = ready.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "no_tokenizer", e.to_string()))?;
-        let lim = Limits { tokenizer, chat_template: ready.chat_template.as_deref(), max_context: ready.engine.max_context(), vocab: ready.engine.config.vocab_size };
+        // --chat-template, else the checkpoint's
+        let chat_template = ready.chat_template.as_deref().or(tokenizer.chat_template());
+        let (max_context, vocab) = (ready.engine.max_context(), ready.engine.config.vocab_size);
+        let lim = Limits { tokenizer, chat_template, max_context, vocab, engine: &ready.engine, audio_rate: ready.audio_rate };
         api::check(r, ep, &lim, fresh_seed)
     })
     .await

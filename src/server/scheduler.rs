@@ -3,7 +3,8 @@
 //!
 //! 1. drops sequences whose client went away (their slot is free for the next request),
 //! 2. admits waiting requests into free slots, reusing the longest cached prompt prefix a
-//!    free slot still holds (a shared system prompt is not prefilled again),
+//!    free slot still holds (a shared system prompt is not prefilled again; placeholders of
+//!    images and clips count as the same only with the same soft tokens),
 //! 3. runs one prefill chunk (the engine's prefill chunk of tokens) of the oldest requests
 //!    still prefilling, so a long prompt delays running streams by one chunk per step at most,
 //! 4. advances every decoding sequence by one token, all of them in one batched decode step
@@ -24,6 +25,9 @@ use super::metrics::Metrics;
 use crate::batch::{Batch, Row};
 use crate::engine::{Engine, SampleParams};
 use crate::tokenizer::Tokenizer;
+use crate::vision::encode::ImagePrompt;
+use crate::vision::prompt::Prompt;
+use crate::vision::{Modality, Placeholders, SoftTokens};
 
 /// One generation request, tokenized and checked.
 #[derive(Clone, Debug)]
@@ -38,6 +42,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Log-probabilities of each sampled token and of the `n` most likely ones.
     pub logprobs: Option<usize>,
+    /// The soft tokens of the prompt's image and audio placeholder runs, each kind in order
+    /// (none: a text prompt).
+    pub soft: Vec<SoftTokens>,
 }
 
 /// Why a generation ended, in the API's words.
@@ -125,7 +132,7 @@ impl Scheduler {
         let tokenizer_ok = engine.tokenizer().map(|_| ()).map_err(|e| e.to_string());
         tokenizer_ok?;
         let batch = Batch::new(&engine, parallel).map_err(|e| e.to_string())?;
-        let slots = (0..parallel).map(|_| Slot { seq: None }).collect();
+        let slots = (0..parallel).map(|_| Slot { seq: None, marks: vec![] }).collect();
         metrics.kv_total.store((parallel * engine.max_context()) as u64, Relaxed);
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { waiting: VecDeque::new(), in_system: 0, draining: false }),
@@ -186,10 +193,27 @@ struct Seq {
     /// Decoded text not sent yet: it may be the start of a stop string.
     held: String,
     last_token: Option<Instant>,
+    /// The prompt's soft tokens still to feed (a prompt with images or clips).
+    soft: Option<SoftFeed>,
+}
+
+/// What is left to feed of a prompt with images or clips: its ids after the cached prefix,
+/// their soft rows, and the prefill steps they are cut in (whole placeholder runs where they
+/// attend to themselves).
+struct SoftFeed {
+    ids: Vec<u32>,
+    prompt: ImagePrompt,
+    steps: VecDeque<(usize, bool)>,
+    /// Tokens of `ids` fed so far.
+    at: usize,
 }
 
 struct Slot {
     seq: Option<Seq>,
+    /// The positions of the slot's cached tokens that hold soft rows, with a hash of each row:
+    /// a prefix is reused only where these agree too (placeholder ids are the same for
+    /// every image).
+    marks: Vec<(usize, u64)>,
 }
 
 /// What one sequence's step produced: its token and, for log-probabilities, the logits.
@@ -245,17 +269,20 @@ impl Worker {
         self.slots.iter().filter(|s| s.seq.is_some()).count()
     }
 
-    /// Puts a job in the free slot whose cached tokens share the longest prefix with its prompt.
+    /// Puts a job in the free slot whose cached tokens share the longest prefix with its prompt
+    /// (soft rows included).
     fn admit(&mut self, job: Job) {
         let m = &self.shared.metrics;
         m.queue_time.observe(job.arrived.elapsed().as_secs_f64());
         let prompt = &job.req.prompt;
+        let ph = self.engine.placeholders();
+        let marks = soft_marks(prompt, &job.req.soft, &ph);
         let best = self
             .slots
             .iter()
             .enumerate()
             .filter(|(_, s)| s.seq.is_none())
-            .map(|(i, _)| (common_prefix(self.batch.tokens(i), prompt), i))
+            .map(|(i, s)| (reusable_prefix(self.batch.tokens(i), &s.marks, prompt, &marks, &ph), i))
             .max_by_key(|&(common, i)| (common, std::cmp::Reverse(i)));
         let Some((common, i)) = best else {
             // the caller admits no more jobs than there are free slots
@@ -263,19 +290,38 @@ impl Worker {
             self.release(1);
             return;
         };
-        // at least one prompt token is fed: the step that samples the first token
-        let keep = common.min(prompt.len().saturating_sub(1));
+        // at least one prompt token is fed: the step that samples the first token; a
+        // placeholder run is fed whole
+        let keep = run_start(common.min(prompt.len().saturating_sub(1)), self.batch.tokens(i), prompt, &ph);
         let cached = if keep > 0 && self.batch.truncate(i, keep) {
             keep
         } else {
             self.batch.reset(i);
             0
         };
+        self.slots[i].marks = marks;
+        let soft = if job.req.soft.is_empty() {
+            None
+        } else {
+            let full = Prompt { ids: prompt.clone(), soft: job.req.soft.clone() };
+            let (_, tail) = full.tail(cached, &ph);
+            match self.engine.plan(&tail.ids, &tail.soft) {
+                Ok((Some(p), steps)) => Some(SoftFeed { ids: tail.ids, prompt: p, steps: steps.into(), at: 0 }),
+                Ok((None, _)) => None,
+                Err(e) => {
+                    // (the HTTP side plans every prompt before it is queued)
+                    let _ = job.tx.send(Event::Error(e.to_string()));
+                    self.batch.reset(i);
+                    self.release(1);
+                    return;
+                }
+            }
+        };
         m.prompt_tokens.fetch_add(prompt.len() as u64, Relaxed);
         m.cached_prompt_tokens.fetch_add(cached as u64, Relaxed);
         m.running.fetch_add(1, Relaxed);
         self.admitted += 1;
-        let seq = Seq { job, order: self.admitted, fed: cached, cached, next: None, produced: vec![], sampled: 0, held: String::new(), last_token: None };
+        let seq = Seq { job, order: self.admitted, fed: cached, cached, next: None, produced: vec![], sampled: 0, held: String::new(), last_token: None, soft };
         self.slots[i].seq = Some(seq);
     }
 
@@ -313,13 +359,33 @@ impl Worker {
             }
             let Some(seq) = self.slots[i].seq.as_mut() else { continue };
             let prompt = &seq.job.req.prompt;
-            // whole chunks, then the rest (which the engine cuts in powers of two): the pieces
-            // a prompt fed at once is cut in
-            let n = (prompt.len() - seq.fed).min(chunk);
+            let (n, r) = match seq.soft.as_mut() {
+                None => {
+                    // whole chunks, then the rest (which the engine cuts in powers of two): the
+                    // pieces a prompt fed at once is cut in
+                    let n = (prompt.len() - seq.fed).min(chunk);
+                    let last = seq.fed + n == prompt.len();
+                    (n, feed_prompt(&mut self.batch, i, Piece::Text(&prompt[seq.fed..seq.fed + n]), last, &seq.job.req))
+                }
+                Some(f) => {
+                    // the plan's steps (a chunk at most each), as many as a chunk holds
+                    let mut steps = vec![];
+                    let mut n = 0;
+                    while let Some(&(k, rows)) = f.steps.front() {
+                        if !steps.is_empty() && n + k > chunk {
+                            break;
+                        }
+                        steps.push((k, rows));
+                        n += k;
+                        f.steps.pop_front();
+                    }
+                    let piece = Piece::Soft { ids: &f.ids, prompt: &f.prompt, start: f.at, steps: &steps };
+                    f.at += n;
+                    (n, feed_prompt(&mut self.batch, i, piece, f.steps.is_empty(), &seq.job.req))
+                }
+            };
             budget = budget.saturating_sub(n);
             let end = seq.fed + n;
-            let last = end == prompt.len();
-            let r = feed_prompt(&mut self.batch, i, &prompt[seq.fed..end], last, &seq.job.req);
             match r {
                 Ok(out) => {
                     seq.fed = end;
@@ -459,21 +525,86 @@ impl Worker {
     }
 }
 
+/// A piece of a prompt: text tokens, or steps of a prompt with soft rows.
+enum Piece<'a> {
+    Text(&'a [u32]),
+    Soft { ids: &'a [u32], prompt: &'a ImagePrompt, start: usize, steps: &'a [(usize, bool)] },
+}
+
 /// Feeds a piece of a prompt into slot `slot`; the last piece samples the first token (at
 /// sampler step 0), with the last position's logits where asked for.
-fn feed_prompt(b: &mut Batch, slot: usize, ids: &[u32], last: bool, req: &Request) -> Result<Option<Token>, String> {
-    let e = |e: crate::Error| e.to_string();
-    if !last {
-        b.prefill(slot, ids, false, None).map_err(e)?;
-        return Ok(None);
+fn feed_prompt(b: &mut Batch, slot: usize, piece: Piece, last: bool, req: &Request) -> Result<Option<Token>, String> {
+    let sampling = last.then_some((&req.sampling, 0));
+    let logits = last && req.logprobs.is_some();
+    let out = match piece {
+        Piece::Text(ids) => b.prefill(slot, ids, logits, sampling),
+        Piece::Soft { ids, prompt, start, steps } => b.prefill_soft(slot, ids, prompt, start, steps, logits, sampling),
     }
-    let logits = req.logprobs.is_some();
-    let out = b.prefill(slot, ids, logits, Some((&req.sampling, 0))).map_err(e)?;
-    Ok(Some((out.token, out.logits)))
+    .map_err(|e| e.to_string())?;
+    Ok(last.then_some((out.token, out.logits)))
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The positions of `ids` that take soft rows, each with a hash of its row (and kind).
+fn soft_marks(ids: &[u32], soft: &[SoftTokens], ph: &Placeholders) -> Vec<(usize, u64)> {
+    use std::hash::{Hash, Hasher};
+    let mut marks = vec![];
+    for kind in [Modality::Image, Modality::Audio] {
+        let Some(id) = ph.id(kind) else { continue };
+        let rows = soft.iter().filter(|s| s.kind == kind).flat_map(|s| s.data.chunks(s.width.max(1)));
+        let at = ids.iter().enumerate().filter(|&(_, &t)| t == id).map(|(p, _)| p);
+        for (p, row) in at.zip(rows) {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (kind as u8).hash(&mut h);
+            for x in row {
+                x.to_bits().hash(&mut h);
+            }
+            marks.push((p, h.finish()));
+        }
+    }
+    marks.sort_unstable();
+    marks
+}
+
+/// How many of the `cached` tokens (with soft-row marks `cached_marks`) a prompt of `ids`
+/// (marks `marks`) can reuse: the common prefix, up to the first position where only one of
+/// them has a soft row or their rows differ.
+fn reusable_prefix(cached: &[u32], cached_marks: &[(usize, u64)], ids: &[u32], marks: &[(usize, u64)], ph: &Placeholders) -> usize {
+    let common = common_prefix(cached, ids);
+    let (mut a, mut b) = (cached_marks.iter().peekable(), marks.iter().peekable());
+    let mut agree = common;
+    loop {
+        match (a.peek(), b.peek()) {
+            (Some(&&x), Some(&&y)) if x == y => {
+                a.next();
+                b.next();
+            }
+            (Some(&&(p, _)), Some(&&(q, _))) => {
+                agree = p.min(q);
+                break;
+            }
+            (Some(&&(p, _)), None) | (None, Some(&&(p, _))) => {
+                agree = p;
+                break;
+            }
+            (None, None) => break,
+        }
+    }
+    run_start(common.min(agree), cached, ids, ph)
+}
+
+/// `keep`, or the start of the placeholder run that `keep` would cut in `cached` or in `ids`
+/// (which agree before `keep`): a run's rows are fed in one step, those of a run that attends
+/// to itself depending on all of it.
+fn run_start(mut keep: usize, cached: &[u32], ids: &[u32], ph: &Placeholders) -> usize {
+    let continues = |s: &[u32], k: usize| k < s.len() && s[k] == s[k - 1];
+    while keep > 0 && ph.holds(ids[keep - 1]) && (continues(cached, keep) || continues(ids, keep)) {
+        keep -= 1;
+    }
+    keep
 }
 
 /// Takes from `held` the text that can be sent: all of it up to a stop string (then true),

@@ -17,7 +17,7 @@
 use markbase_graph::audio::AudioConfig;
 use markbase_graph::vision::{TowerKind, VisionConfig};
 
-use crate::engine::{Error, Session};
+use crate::engine::{Engine, Error, Session};
 use crate::generate::{GenerateParams, Generation};
 use crate::tokenizer::{ContentPart, PartsMessage, Tokenizer};
 
@@ -185,34 +185,13 @@ impl Session {
     /// prompt): `soft` are the soft tokens of their image and audio items, each kind in order.
     pub fn chat_prompt(&self, messages: &[PartsMessage], soft: Vec<SoftTokens>) -> Result<Prompt, Error> {
         let text = self.tokenizer()?.apply_chat_template(messages, true)?;
-        for (kind, n) in [(Modality::Image, messages.iter().map(|m| m.images()).sum::<usize>()), (Modality::Audio, messages.iter().map(|m| m.clips()).sum())] {
-            let given = soft.iter().filter(|s| s.kind == kind).count();
-            if n != given {
-                return Err(Error::Input(format!("the messages have {n} {} items for {given} soft-token runs", kind.name())));
-            }
-        }
-        self.text_prompt(&text, soft, true).map_err(|e| match e {
-            Error::Input(m) if m.contains(" markers (") => Error::Input(format!("{m}: the chat template does not render these items")),
-            e => e,
-        })
+        rendered_chat_prompt(self.engine(), messages, &text, soft)
     }
 
     /// The prompt of `text`, each image marker in it expanded into the next image's run and
     /// each audio marker into the next clip's.
     pub fn text_prompt(&self, text: &str, soft: Vec<SoftTokens>, add_bos: bool) -> Result<Prompt, Error> {
-        let tk = self.tokenizer()?;
-        let (images, clips): (Vec<SoftTokens>, Vec<SoftTokens>) = soft.iter().cloned().partition(|s| s.kind == Modality::Image);
-        let text = match self.engine().vision_config() {
-            Some(vc) => expand_markers(tk, vc, text, &images)?,
-            None if images.is_empty() => text.to_string(),
-            None => return Err(self.engine().vision_or_err().unwrap_err()),
-        };
-        let text = match self.engine().audio_config() {
-            Some(ac) => expand_audio_markers(tk, ac, &text, &clips)?,
-            None if clips.is_empty() => text,
-            None => return Err(self.engine().audio_or_err().unwrap_err()),
-        };
-        Ok(Prompt { ids: tk.encode(&text, add_bos)?, soft })
+        expand_prompt(self.engine(), text, soft, add_bos)
     }
 
     /// Streams up to `max_tokens` tokens after the prompt `p` (a fresh sequence).
@@ -221,4 +200,37 @@ impl Session {
         self.reset();
         self.generate_after_with_images(&p.ids, &p.soft, params)
     }
+}
+
+/// The prompt of `text` (a chat template's rendering of `messages`, with the generation
+/// prompt): `soft` are the soft tokens of their image and audio items, each kind in order.
+pub fn rendered_chat_prompt(engine: &Engine, messages: &[PartsMessage], text: &str, soft: Vec<SoftTokens>) -> Result<Prompt, Error> {
+    for (kind, n) in [(Modality::Image, messages.iter().map(|m| m.images()).sum::<usize>()), (Modality::Audio, messages.iter().map(|m| m.clips()).sum())] {
+        let given = soft.iter().filter(|s| s.kind == kind).count();
+        if n != given {
+            return Err(Error::Input(format!("the messages have {n} {} items for {given} soft-token runs", kind.name())));
+        }
+    }
+    expand_prompt(engine, text, soft, true).map_err(|e| match e {
+        Error::Input(m) if m.contains(" markers (") => Error::Input(format!("{m}: the chat template does not render these items")),
+        e => e,
+    })
+}
+
+/// The prompt of `text` for `engine`'s model: each image marker in it expanded into the next
+/// image's run and each audio marker into the next clip's, then tokenized.
+pub fn expand_prompt(engine: &Engine, text: &str, soft: Vec<SoftTokens>, add_bos: bool) -> Result<Prompt, Error> {
+    let tk = engine.tokenizer()?;
+    let (images, clips): (Vec<SoftTokens>, Vec<SoftTokens>) = soft.iter().cloned().partition(|s| s.kind == Modality::Image);
+    let text = match engine.vision_config() {
+        Some(vc) => expand_markers(tk, vc, text, &images)?,
+        None if images.is_empty() => text.to_string(),
+        None => return Err(engine.vision_or_err().unwrap_err()),
+    };
+    let text = match engine.audio_config() {
+        Some(ac) => expand_audio_markers(tk, ac, &text, &clips)?,
+        None if clips.is_empty() => text,
+        None => return Err(engine.audio_or_err().unwrap_err()),
+    };
+    Ok(Prompt { ids: tk.encode(&text, add_bos)?, soft })
 }

@@ -213,12 +213,11 @@ impl<'a> B<'a> {
         let (l, cfg) = (Some(i), self.cfg);
         let window = if cfg.layer_types[i] == LayerType::Sliding { Some(cfg.sliding_window) } else { None };
         let scale = cfg.attn_scale as f32;
+        // the attention bounds where image spans attend to themselves on this layer
+        let pos = if self.spans == Spans::SlidingLayers && window.is_none() { self.pos } else { self.attn_pos };
         let a = match self.slot {
-            Some(slot) => self.op("attention", l, Op::AttentionBatched { scale, window }, &[q, self.pos, slot, kc, vc])?,
-            None => {
-                let pos = if self.spans == Spans::SlidingLayers && window.is_none() { self.pos } else { self.attn_pos };
-                self.op("attention", l, Op::Attention { scale, window }, &[q, pos, kc, vc])?
-            }
+            Some(slot) => self.op("attention", l, Op::AttentionBatched { scale, window }, &[q, pos, slot, kc, vc])?,
+            None => self.op("attention", l, Op::Attention { scale, window }, &[q, pos, kc, vc])?,
         };
         let qs = self.g.node(a).ty.shape.clone();
         let a = self.reshape("attn_flat", l, a, &[qs[0], qs[1] * qs[2]])?;

@@ -53,6 +53,10 @@ params_struct! {
         pub n: u32,
         pub window: u32,
         pub scale: f32,
+        pub spans: u32,
+        pub _p0: u32,
+        pub _p1: u32,
+        pub _p2: u32,
     }
 }
 
@@ -70,7 +74,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
     match cx.op {
         Op::KvWriteBatched => {
             let k = kernels.get(KernelSpec::Batched { attention: false }).map_err(cx.kerr())?;
-            let prm = BatchedParams { t: t as u32, nq: nkv as u32, nkv: nkv as u32, d: d as u32, s: s as u32, n: n as u32, window: 0, scale: 0.0 };
+            let prm = BatchedParams { t: t as u32, nq: nkv as u32, nkv: nkv as u32, d: d as u32, s: s as u32, n: n as u32, ..Default::default() };
             let p = cx.uni(bytemuck::bytes_of(&prm))?;
             let bg = k.bind_buffers(dev, &[(0, &p), (1, &cx.input(0)?), (2, &cx.input(1)?), (3, &cx.input(2)?), (4, &cx.out()?)]);
             let groups = grid(div_ceil(t * nkv * d, ELEM_WG as usize) as u64, kernels.maxg());
@@ -83,7 +87,9 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             }
             let k = kernels.get(KernelSpec::Batched { attention: true }).map_err(cx.kerr())?;
             let w = window.map_or(0, |w| w.min(u32::MAX as usize) as u32);
-            let prm = BatchedParams { t: t as u32, nq: nq as u32, nkv: nkv as u32, d: d as u32, s: s as u32, n: n as u32, window: w, scale: *scale };
+            // attention bounds `[2, T]`: a prompt's image spans see themselves whole
+            let spans = (cx.shape_of(1).len() == 2) as u32;
+            let prm = BatchedParams { t: t as u32, nq: nq as u32, nkv: nkv as u32, d: d as u32, s: s as u32, n: n as u32, window: w, scale: *scale, spans, ..Default::default() };
             let p = cx.uni(bytemuck::bytes_of(&prm))?;
             let bufs = [(0, &p), (1, &cx.input(0)?), (2, &cx.input(1)?), (3, &cx.input(2)?), (4, &cx.input(3)?), (5, &cx.input(4)?), (6, &cx.out()?)];
             let bg = k.bind_buffers(dev, &bufs);
