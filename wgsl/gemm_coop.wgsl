@@ -28,6 +28,10 @@
 // VS: the workgroup buffers hold vec4<f16> (four-element stores; cooperative loads by vec4)
 // instead of f16.
 //
+// Ablations, for timing the parts (`MARKBASE_COOP_ABLATE`; wrong results): ABL_NOSTAGE leaves the
+// staging out (no loads, no stores: the products run on what the buffers hold), ABL_SPLIT = 2 runs
+// the 16 x 16 products of half of each step.
+//
 // Bindings: 0 params (gemm.wgsl's), 1 x16, 2 y, 7 row scales, 8.. weights.
 enable f16;
 //#if COOP
@@ -251,6 +255,7 @@ fn main(
             for (var s = 0u; s < nsteps; s++) {
                 // the previous step's (or tile's) reads of the buffers are done
                 workgroupBarrier();
+//#if !ABL_NOSTAGE
                 // store step s (loaded during step s - 1's products)
                 {
                     let xb = lt * LDS + 4u * lq;
@@ -322,8 +327,10 @@ fn main(
 //#endif
                     }
                 }
+//#endif
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
+//#if !ABL_NOSTAGE
                 if s + 1u < nsteps {
                     if wload {
                         rw0 = oct_raw(wr, (s + 1u) * 4u + 2u * lo, K);
@@ -336,6 +343,7 @@ fn main(
 //#endif
                     }
                 }
+//#endif
 //#if COOP && M8
                 for (var kk = 0u; kk < BK; kk += 8u) {
                     let ld = STRIDE;
@@ -394,7 +402,7 @@ fn main(
 //#endif
                 }
 //#elif COOP
-                for (var kk = 0u; kk < BK; kk += 16u) {
+                for (var kk = 0u; kk < BK / ABL_SPLIT; kk += 16u) {
                     let ld = STRIDE;
                     let ia = (gt * LDS + kk) / (LDS / STRIDE);
                     let ib = (gn * LDS + kk) / (LDS / STRIDE);

@@ -97,13 +97,15 @@ pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8) -> u32 {
 }
 
 /// Results per subgroup along the tokens for `rows` x `t` (`MARKBASE_COOP_MT` sets it): 4 (tiles
-/// of 128 tokens) where the workgroup memory allows and the grid keeps at least 256 tiles, else 2.
+/// of 128 tokens) where the workgroup memory allows and the grid keeps at least 96 tiles, else 2.
+/// H200, pp512, activations split: 128 tiles (N = 4096) 41.5 -> 47.6 TFLOP/s with 128 tokens,
+/// 64 tiles (N = 2048) 40.9 -> 24.7.
 pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> u8 {
     let fits = smem_bytes(coop, hilo, 4) <= smem_limit;
     match std::env::var("MARKBASE_COOP_MT").ok().and_then(|v| v.parse::<u8>().ok()) {
         Some(4) if fits => 4,
         Some(_) => 2,
-        None if fits && div_ceil(rows, TILE_N) * div_ceil(t, 128) >= 256 => 4,
+        None if fits && div_ceil(rows, TILE_N) * div_ceil(t, 128) >= 96 => 4,
         None => 2,
     }
 }
@@ -245,7 +247,9 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
                 .flag("HILO_X", hilo.x())
                 .flag("HILO_W", hilo.w())
                 .flag("VS", vs)
-                .flag("CENTER", center);
+                .flag("CENTER", center)
+                .flag("ABL_NOSTAGE", ablate("nostage"))
+                .c("ABL_SPLIT", if ablate("half") { 2 } else { 1 });
             weight_source(s, fmt, false, false, false)
         }
         KernelSpec::RowScale { xvec, lo, aug } => {
@@ -253,6 +257,12 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
         }
         _ => return None,
     })
+}
+
+/// Whether `MARKBASE_COOP_ABLATE` (comma-separated) names the ablation `what` of
+/// `gemm_coop.wgsl` (`nostage`, `half`): for timing its parts; the results are wrong.
+fn ablate(what: &str) -> bool {
+    std::env::var("MARKBASE_COOP_ABLATE").is_ok_and(|v| v.split(',').any(|a| a == what))
 }
 
 fn variants() -> Vec<KernelSpec> {
