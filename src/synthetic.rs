@@ -7,7 +7,7 @@ use serde_json::json;
 
 use markbase_graph::builder::{BuildOptions, WeightResolver};
 use markbase_graph::config::ModelConfig;
-use markbase_graph::ir::WeightParam;
+use markbase_graph::ir::{Graph, WeightParam};
 use markbase_graph::quant::{FloatType, QuantMode, QuantSpec, WeightFormat};
 
 use crate::weights::{RawDType, RawTensor, WeightData, Weights};
@@ -200,13 +200,17 @@ pub fn model(name: &str, spec: QuantSpec) -> Result<(ModelConfig, Weights), Stri
 pub fn weights(cfg: &ModelConfig, spec: QuantSpec) -> Result<Weights, String> {
     let res = SyntheticResolver { spec };
     let g = markbase_graph::build(cfg, &res, &BuildOptions::decode(64, 16)).map_err(|e| e.to_string())?;
-    let gemma3 = cfg.family == markbase_graph::Family::Gemma3;
+    Ok(graph_weights(&g, cfg.family == markbase_graph::Family::Gemma3))
+}
+
+/// Random weights for every weight of graph `g`, in the formats its resolver gave them.
+pub fn graph_weights(g: &Graph, one_plus_w_norms: bool) -> Weights {
     let params: Vec<WeightParam> = g.weights().map(|(_, p)| p.clone()).collect();
     let mut weights = Weights::default();
     for (i, p) in params.iter().enumerate() {
         if weights.get(&p.name).is_none() {
-            weights.insert(random_weight(p, 0x5eed_0000 + i as u64, gemma3));
+            weights.insert(random_weight(p, 0x5eed_0000 + i as u64, one_plus_w_norms));
         }
     }
-    Ok(weights)
+    weights
 }

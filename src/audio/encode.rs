@@ -80,28 +80,55 @@ impl AudioEncoder {
             let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| Error::Config(e.to_string()))?;
             self.graphs.insert(f.frames, c);
         }
-        let valid: Vec<u32> = f.mask.iter().map(|&v| v as u32).collect();
-        // a row is real where its frame is, after the two stride-2 steps and the reduction
-        // (`mask[::4 · reduction]`)
-        let real: Vec<bool> = f.mask.iter().step_by(4 * self.ac.reduction).copied().collect();
-        let (ids, index) = slot_inputs(&self.ac, &real);
-        let step = StepInputs { features: &f.data, audio_valid: &valid, tokens: &ids, soft_index: &index, ..Default::default() };
-        let rows = self.runner.soft(&self.graphs[&f.frames], &step)?;
-        let width = self.ac.text_hidden;
-        let data: Vec<f32> = match self.ac.kind {
-            AudioKind::Gemma4 => rows.chunks(width).zip(&real).filter(|(_, &v)| v).flat_map(|(r, _)| r.iter().copied()).collect(),
-            AudioKind::Gemma3n => rows,
-        };
-        if let Some(i) = data.iter().position(|x| !x.is_finite()) {
-            return Err(Error::Device(format!("the audio tower made a non-finite soft token value (at {i})")));
-        }
-        Ok(SoftTokens { tokens: data.len() / width, width, data, kind: Modality::Audio })
+        let inputs = TowerInputs::new(&self.ac, &f.mask);
+        let rows = self.runner.soft(&self.graphs[&f.frames], &inputs.step(&f.data))?;
+        inputs.soft_tokens(&self.ac, rows)
     }
 
     /// The soft tokens of a clip (mono samples at the extractor's rate).
     pub fn encode(&mut self, samples: &[f32]) -> Result<SoftTokens, Error> {
         let f = self.features(samples)?;
         self.encode_features(&f)
+    }
+}
+
+/// A clip's inputs to the tower graph besides its features: the frame mask, Gemma 3n's slot
+/// inputs ([`slot_inputs`]), and which encoder rows stand for real frames.
+pub struct TowerInputs {
+    pub valid: Vec<u32>,
+    pub ids: Vec<u32>,
+    pub index: Vec<u32>,
+    pub real: Vec<bool>,
+}
+
+impl TowerInputs {
+    /// The inputs of a clip whose frames are real where `mask` is.
+    pub fn new(ac: &AudioConfig, mask: &[bool]) -> Self {
+        let valid = mask.iter().map(|&v| v as u32).collect();
+        // a row is real where its frame is, after the two stride-2 steps and the reduction
+        // (`mask[::4 · reduction]`)
+        let real: Vec<bool> = mask.iter().step_by(4 * ac.reduction).copied().collect();
+        let (ids, index) = slot_inputs(ac, &real);
+        TowerInputs { valid, ids, index, real }
+    }
+
+    /// The step running the tower over `features`.
+    pub fn step<'a>(&'a self, features: &'a [f32]) -> StepInputs<'a> {
+        StepInputs { features, audio_valid: &self.valid, tokens: &self.ids, soft_index: &self.index, ..Default::default() }
+    }
+
+    /// The soft tokens of the tower's `soft` output `rows`. Gemma 4: the rows of real frames
+    /// (HF keeps those and drops the rows of padding); Gemma 3n: every slot.
+    pub fn soft_tokens(&self, ac: &AudioConfig, rows: Vec<f32>) -> Result<SoftTokens, Error> {
+        let width = ac.text_hidden;
+        let data: Vec<f32> = match ac.kind {
+            AudioKind::Gemma4 => rows.chunks(width).zip(&self.real).filter(|(_, &v)| v).flat_map(|(r, _)| r.iter().copied()).collect(),
+            AudioKind::Gemma3n => rows,
+        };
+        if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Device(format!("the audio tower made a non-finite soft token value (at {i})")));
+        }
+        Ok(SoftTokens { tokens: data.len() / width, width, data, kind: Modality::Audio })
     }
 }
 
