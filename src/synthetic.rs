@@ -228,10 +228,14 @@ fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
 }
 
 fn bf16_fill(n: usize, f: impl Fn(usize) -> f32 + Sync) -> Vec<u8> {
+    // a task per 8192 values, not per value
+    const CHUNK: usize = 8192;
     let mut out = vec![0u8; 2 * n];
-    out.par_chunks_mut(2).enumerate().for_each(|(i, c)| {
-        let b = (f(i).to_bits() >> 16) as u16;
-        c.copy_from_slice(&b.to_le_bytes());
+    out.par_chunks_mut(2 * CHUNK).enumerate().for_each(|(ci, c)| {
+        for (j, v) in c.chunks_mut(2).enumerate() {
+            let b = (f(ci * CHUNK + j).to_bits() >> 16) as u16;
+            v.copy_from_slice(&b.to_le_bytes());
+        }
     });
     out
 }
