@@ -23,7 +23,7 @@ use crate::engine::{Engine, ModelOptions, WeightsResolver};
 use crate::exec::{Executor, Profile};
 use crate::model::{DeviceKind, SampleParams};
 use crate::vision::encode::{Modality, Runner, SoftTokens};
-use crate::vision::processor::{gemma4_grid, GEMMA4_BUDGETS};
+use crate::vision::processor::{tower_grid, GEMMA4_BUDGETS};
 use crate::weights::Weights;
 
 /// Text tokens after the image in the time-to-first-token prompt.
@@ -65,15 +65,6 @@ pub fn image_tokens(vc: &VisionConfig, asked: &[usize]) -> Result<Vec<usize>, St
             }
             Ok(if asked.is_empty() { vec![280, 1120] } else { asked.to_vec() })
         }
-    }
-}
-
-/// The patch grid of an image of `tokens` soft tokens: SigLIP's square input, Gemma 4's
-/// [`gemma4_grid`].
-pub fn grid(vc: &VisionConfig, tokens: usize) -> Result<(usize, usize), String> {
-    match vc.kind {
-        TowerKind::Siglip => Ok((vc.grid_side(), vc.grid_side())),
-        TowerKind::Gemma4Vit => gemma4_grid(tokens, vc.pool, vc.position_table),
     }
 }
 
@@ -149,7 +140,7 @@ pub fn bench_images(cfg: &ModelConfig, text_weights: Arc<Weights>, v: &VisionSou
     let mut recs = vec![];
     let mut softs = vec![];
     for &n in tokens {
-        let grid = grid(vc, n)?;
+        let grid = tower_grid(vc, n)?;
         let g = tower_graph(vc, &v.weights, grid)?;
         let flops = tower_flops(&g);
         let c = compile(g, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;

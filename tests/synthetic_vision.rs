@@ -1,7 +1,8 @@
 //! The synthetic vision shapes of `bench` against the real configs (Gemma 3 4B's SigLIP
 //! So400m/14, Gemma 4 E2B's ViT), their parameter counts and the encode FLOPs the bench counts.
 
-use markbase::bench_vision::{grid, tower_flops};
+use markbase::bench_vision::tower_flops;
+use markbase::vision::processor::tower_grid as grid;
 use markbase::graph::builder::WeightResolver;
 use markbase::graph::tower::{build_gemma4_tower, build_siglip_tower};
 use markbase::graph::vision::{tower_params, TowerKind, VisionConfig};

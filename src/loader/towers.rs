@@ -15,7 +15,7 @@ use markbase_graph::{Graph, WeightFormat};
 use super::{Checkpoint, LoadError, Part, Problem, Report, Severity, TensorInfo};
 use crate::audio::{FeatureConfig, FeatureExtractor};
 use crate::memory::TowerNeeds;
-use crate::vision::processor::GEMMA4_BUDGETS;
+use crate::vision::processor::{tower_grid, GEMMA4_BUDGETS};
 use crate::weights::Weights;
 
 /// Prefixes of the audio tower's tensors (not part of the vision check: listed, never fatal
@@ -237,10 +237,7 @@ impl Checkpoint {
         let mut out = vec![];
         if let Ok(Some(vc)) = self.vision_config() {
             let bytes = self.vision_params(&vc).iter().map(|p| p.stored_bytes() as u64).sum();
-            let grid = match vc.kind {
-                TowerKind::Siglip => Ok((vc.grid_side(), vc.grid_side())),
-                TowerKind::Gemma4Vit => crate::vision::processor::gemma4_grid(GEMMA4_BUDGETS[GEMMA4_BUDGETS.len() - 1], vc.pool, vc.position_table),
-            };
+            let grid = tower_grid(&vc, GEMMA4_BUDGETS[GEMMA4_BUDGETS.len() - 1]);
             if let Ok(g) = grid.and_then(|(r, c)| self.tower_graph(&vc, r, c).map_err(|e| e.to_string())) {
                 let name = format!("the {} vision tower at {} patches", vc.kind.name(), g.tokens);
                 out.extend(TowerNeeds::of(name, g, bytes).ok());
