@@ -220,13 +220,21 @@ fn device_name(r: &Runner) -> String {
 pub fn table(rows: &[Value]) -> String {
     let mut s = String::new();
     for r in rows {
-        let Some(images) = r.get("image").and_then(Value::as_array) else { continue };
+        let images = r.get("image").and_then(Value::as_array);
+        let failed = r.get("image_error").and_then(Value::as_str);
+        if images.is_none() && failed.is_none() {
+            continue;
+        }
         if s.is_empty() {
             s.push_str(&format!(
                 "\n| model | device | tower | soft tokens | patches | encode ms | TFLOP | TFLOP/s | TTFT ms (image + {TEXT_TOKENS} text) | TTFT + encode ms |\n|---|---|---|---|---|---|---|---|---|---|\n"
             ));
         }
-        for i in images {
+        if let Some(e) = failed {
+            let dev = crate::bench::short_device(r["device"].as_str().unwrap_or(""));
+            s.push_str(&format!("| {} | {dev} | error: {e} |\n", r["model"].as_str().unwrap_or("")));
+        }
+        for i in images.into_iter().flatten() {
             // small values (tiny towers) in three significant digits
             let f = |k: &str, d: usize| match i.get(k).and_then(Value::as_f64) {
                 Some(v) if v != 0.0 && v.abs() < 0.01 => format!("{v:.2e}"),

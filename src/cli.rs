@@ -542,7 +542,15 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         None => match model {
             Some(dir) => {
                 crate::model::check_dir(dir)?;
-                crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?.vision_config().map_err(|e| e.to_string())?
+                // a malformed vision config keeps the text bench running unless images are asked for
+                match crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?.vision_config() {
+                    Ok(v) => v,
+                    Err(e) if o.image_tokens.is_empty() => {
+                        eprintln!("note: no image bench: {e}");
+                        None
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
             }
             None => None,
         },
@@ -553,7 +561,13 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         None => vec![],
     };
     let (name, cfg, weights) = bench::source(model, synthetic)?;
-    let vision = if vision_shape.is_some() { crate::bench_vision::source(model, synthetic)? } else { None };
+    let vision = match vision_shape.map(|_| crate::bench_vision::source(model, synthetic)) {
+        Some(Err(e)) if o.image_tokens.is_empty() => {
+            eprintln!("note: no image bench: {e}");
+            None
+        }
+        v => v.transpose()?.flatten(),
+    };
     let devices = if devices.is_empty() {
         let mut v: Vec<DeviceKind> = crate::gpu::device::Backend::ALL
             .iter()
@@ -580,7 +594,10 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         if let (Some(v), None) = (&vision, r.get("error")) {
             match crate::bench_vision::bench_images(&cfg, weights.clone(), v, d, &image_tokens, o.runs) {
                 Ok(images) => r["image"] = serde_json::json!(images),
-                Err(e) => r["error"] = serde_json::json!(format!("images: {e}")),
+                Err(e) => {
+                    eprintln!("{}: the image bench failed: {e}", device_name(d));
+                    r["image_error"] = serde_json::json!(e);
+                }
             }
         }
         if !json {

@@ -194,6 +194,21 @@ fn bench_encodes_images_on_gpu_and_cpu() {
     assert!(out.contains("| soft tokens | patches | encode ms |") && out.contains("| gemma4 ViT | 70 | 630 |"), "{out}");
     let tiny = ["bench", "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu", "--synthetic"];
     fails_with(&[&tiny[..], &["tiny-gemma3-vision", "--image-tokens", "280"]].concat(), "applies to Gemma 4's ViT");
+    // a checkpoint whose tower cannot run still benchmarks its text, unless images are asked for
+    let dir = std::env::temp_dir().join(format!("markbase-cli-{}-standardize", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(root().join("tests/fixtures/vlm/gemma4").join(f), dir.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["vision_config"]["standardize"] = serde_json::json!(true);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let m = dir.to_str().unwrap();
+    let (ok, out, err) = run(&["bench", "-m", m, "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu"]);
+    assert!(ok && err.contains("no image bench") && err.contains("standardize") && out.contains("| cpu |"), "{out}{err}");
+    fails_with(&["bench", "-m", m, "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu", "--image-tokens", "70"], "standardize");
+    let _ = std::fs::remove_dir_all(&dir);
     fails_with(&[&tiny[..], &["tiny-gemma4-vision", "--image-tokens", "100"]].concat(), "not one of Gemma 4's budgets");
     fails_with(&[&tiny[..], &["tiny-gemma3", "--image-tokens", "280"]].concat(), "no vision tower");
 }
