@@ -58,3 +58,21 @@ fn gemma4_e2b_vision_is_the_16_layer_vit() {
     let f = tower_flops(&build_gemma4_tower(&vc, &Bf16, 48, 48).unwrap());
     assert!((f / 1.0e12 - 1.0).abs() < 0.05, "{f}");
 }
+
+/// The full-size towers' memory on a GPU: weights (bf16) and the buffers of one encode at the
+/// largest input the bench runs, far under an 80 GB card beside the 4-bit text model.
+#[test]
+fn full_size_towers_fit_a_gpu() {
+    for (name, tokens, most) in [("gemma3-4b-vision", 256, 4u64 << 30), ("gemma4-e2b-vision", 1120, 4 << 30)] {
+        let vc = vision(name);
+        let (rows, cols) = grid(&vc, tokens).unwrap();
+        let g = match vc.kind {
+            TowerKind::Siglip => build_siglip_tower(&vc, &Bf16).unwrap(),
+            TowerKind::Gemma4Vit => build_gemma4_tower(&vc, &Bf16, rows, cols).unwrap(),
+        };
+        let weights: u64 = tower_params(&vc).iter().map(|p| 2 * p.shape.iter().product::<usize>() as u64).sum();
+        let n = markbase::memory::TowerNeeds::of(name, g, weights).unwrap();
+        eprintln!("{name}: weights {}, buffers {} (largest {})", markbase::memory::human(n.weight_bytes), markbase::memory::human(n.pool_bytes), markbase::memory::human(n.largest_pool));
+        assert!(n.bytes() < most, "{name}: {n:?}");
+    }
+}
