@@ -5,7 +5,8 @@
 //! FLOPs of an encode are counted on the tower's graph: `2·M·N·K` per matmul (`[M, K]` by an
 //! `[N, K]` weight: the patch embedding, q/k/v/o, the MLP, the projector) and `4·P·S·H·d` per
 //! attention (`QKᵀ` and `PV` of `H` heads of `d` over `P` queries and `S` keys); norms,
-//! activations, RoPE, pooling and residuals are left out (well under 1% of the total).
+//! activations, RoPE, pooling and residuals are left out (well under 1% of the total at the real
+//! shapes).
 
 use std::sync::Arc;
 
