@@ -29,6 +29,8 @@ pub struct BenchOptions {
     pub profile: bool,
     /// The fusion rules the graphs run.
     pub fuse: markbase_graph::FuseOptions,
+    /// Soft tokens of the images a vision model encodes (Gemma 4; empty: 280 and 1,120).
+    pub image_tokens: Vec<usize>,
 }
 
 /// Bytes of weights a decode step reads: every matrix a MatMul multiplies by in

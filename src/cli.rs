@@ -536,7 +536,38 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         Some("all") => vec![],
         b => vec![parse_device(b)?],
     };
+    // the vision tower's image sizes are checked before any weight is made
+    let vision_shape = match synthetic {
+        Some(name) => crate::synthetic::vision_config(name)?,
+        None => match model {
+            Some(dir) => {
+                crate::model::check_dir(dir)?;
+                // a malformed vision config keeps the text bench running unless images are asked for
+                match crate::loader::Checkpoint::open(dir).map_err(|e| e.to_string())?.vision_config() {
+                    Ok(v) => v,
+                    Err(e) if o.image_tokens.is_empty() => {
+                        eprintln!("note: no image bench: {e}");
+                        None
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            None => None,
+        },
+    };
+    let image_tokens = match &vision_shape {
+        Some(vc) => crate::bench_vision::image_tokens(vc, &o.image_tokens)?,
+        None if !o.image_tokens.is_empty() => return Err("--image-tokens: this model has no vision tower".into()),
+        None => vec![],
+    };
     let (name, cfg, weights) = bench::source(model, synthetic)?;
+    let vision = match vision_shape.map(|_| crate::bench_vision::source(model, synthetic)) {
+        Some(Err(e)) if o.image_tokens.is_empty() => {
+            eprintln!("note: no image bench: {e}");
+            None
+        }
+        v => v.transpose()?.flatten(),
+    };
     let devices = if devices.is_empty() {
         let mut v: Vec<DeviceKind> = crate::gpu::device::Backend::ALL
             .iter()
@@ -558,15 +589,24 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         if o.profile && d == DeviceKind::Cpu {
             eprintln!("note: --profile times GPU dispatches; the cpu row has no profile");
         }
-        let r = bench::bench_one(&name, &cfg, weights.clone(), d, &o)
+        let mut r = bench::bench_one(&name, &cfg, weights.clone(), d, &o)
             .unwrap_or_else(|e| serde_json::json!({"model": name, "device": device_name(d), "error": e}));
+        if let (Some(v), None) = (&vision, r.get("error")) {
+            match crate::bench_vision::bench_images(&cfg, weights.clone(), v, d, &image_tokens, o.runs) {
+                Ok(images) => r["image"] = serde_json::json!(images),
+                Err(e) => {
+                    eprintln!("{}: the image bench failed: {e}", device_name(d));
+                    r["image_error"] = serde_json::json!(e);
+                }
+            }
+        }
         if !json {
             let _ = write!(stdout, "{}", bench::table_row(&r));
             let _ = stdout.flush();
         }
         rows.push(r);
     }
-    let _ = write!(stdout, "{}", if json { serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n" } else { bench::profile_tables(&rows) });
+    let _ = write!(stdout, "{}", if json { serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n" } else { crate::bench_vision::table(&rows) + &bench::profile_tables(&rows) });
     let _ = stdout.flush();
     if rows.iter().all(|r| r.get("error").is_some()) {
         return Err(format!("no backend ran ({} failed)", rows.len()));

@@ -133,7 +133,8 @@ impl Engine {
         check_context(ck.config(), opts.max_context, opts.prefill_chunk)?;
         let chunk = opts.prefill_chunk.min(opts.max_context);
         let probe = ck.build(BuildOptions::decode(opts.max_context, chunk))?;
-        let need = crate::memory::Needs::of(&probe, &ck.build(prefill_options(opts.max_context, chunk))?).map_err(Error::Config)?;
+        let mut need = crate::memory::Needs::of(&probe, &ck.build(prefill_options(opts.max_context, chunk))?).map_err(Error::Config)?;
+        need.towers = ck.tower_needs();
         let (opened, notice) = open_device(&opts, &need)?;
         if let Some(f) = &opts.stage {
             f("reading weights");
@@ -154,6 +155,19 @@ impl Engine {
 
     /// An engine from a config and weights already in memory (synthetic models).
     pub fn from_parts(config: ModelConfig, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
+        Self::from_parts_with_vision(config, weights, tokenizer, None, opts)
+    }
+
+    /// [`Engine::from_parts`] of a decoder that takes images encoded elsewhere (benchmarks):
+    /// `vision`, the tower's config, gives the image tokens' ids and Gemma 3's bidirectional
+    /// image spans to prompts with soft tokens.
+    pub fn from_parts_with_vision(
+        config: ModelConfig,
+        weights: Arc<Weights>,
+        tokenizer: Option<Tokenizer>,
+        vision: Option<VisionConfig>,
+        opts: &ModelOptions,
+    ) -> Result<Arc<Engine>, Error> {
         check_context(&config, opts.max_context, opts.prefill_chunk)?;
         let chunk = opts.prefill_chunk.min(opts.max_context);
         let r = WeightsResolver(&weights);
@@ -161,7 +175,7 @@ impl Engine {
         let need = crate::memory::Needs::of(&build(&BuildOptions::decode(opts.max_context, chunk))?, &build(&prefill_options(opts.max_context, chunk))?)
             .map_err(Error::Config)?;
         let (opened, notice) = open_device(opts, &need)?;
-        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: Ok(None), audio: Ok(None) }, weights, tokenizer, opts)
+        Self::new(config, Parts { checkpoint: None, dir: None, notice, opened, vision: Ok(vision), audio: Ok(None) }, weights, tokenizer, opts)
     }
 
     fn new(config: ModelConfig, parts: Parts, weights: Arc<Weights>, tokenizer: Option<Tokenizer>, opts: &ModelOptions) -> Result<Arc<Engine>, Error> {
@@ -848,7 +862,7 @@ fn open_device(opts: &ModelOptions, need: &crate::memory::Needs) -> Result<(Open
 }
 
 /// Weight formats read from weights already in memory.
-struct WeightsResolver<'a>(&'a Weights);
+pub(crate) struct WeightsResolver<'a>(pub(crate) &'a Weights);
 
 impl markbase_graph::builder::WeightResolver for WeightsResolver<'_> {
     fn format(&self, name: &str, _shape: &[usize], _module: bool) -> markbase_graph::WeightFormat {

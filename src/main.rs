@@ -184,7 +184,8 @@ enum Cmd {
         #[arg(short = 'm', long = "model")]
         model: Option<PathBuf>,
         /// A synthetic model in real shapes with random 4-bit weights (gemma3-270m, gemma3-1b,
-        /// gemma3-12b, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b).
+        /// gemma3-4b, gemma3-12b, gemma4-e2b, gemma4-e4b, gemma4-26b-a4b, gemma4-31b; with a
+        /// bf16 vision tower: gemma3-4b-vision, gemma4-e2b-vision).
         #[arg(long)]
         synthetic: Option<String>,
         #[arg(long, default_value_t = 512)]
@@ -205,6 +206,11 @@ enum Cmd {
         profile: bool,
         #[arg(long)]
         json: bool,
+        /// Models with a vision tower: also encode one image of each of these soft-token
+        /// counts (Gemma 4's budgets; default 280,1120; SigLIP makes 256) and time the first
+        /// token of it and 32 text tokens.
+        #[arg(long = "image-tokens", value_delimiter = ',')]
+        image_tokens: Vec<usize>,
         #[command(flatten)]
         fuse: FuseArgs,
     },
@@ -363,8 +369,8 @@ fn main() -> ExitCode {
                 .and_then(|()| Ok((cli::read_images(&run.model, &images)?, markbase::audio::encode::read_clips(&run.model, &audio)?)))
                 .and_then(|(imgs, clips)| load(&run, true).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref(), imgs, clips)))
         }
-        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, fuse } => fuse.options().and_then(|fuse| {
-            let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse };
+        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, image_tokens, fuse } => fuse.options().and_then(|fuse| {
+            let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse, image_tokens };
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
         Cmd::Serve(args) => markbase::server::serve(args),

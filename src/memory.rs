@@ -20,6 +20,38 @@ pub struct Needs {
     pub largest_pool: u64,
     /// All intermediate buffers of a prefill chunk together.
     pub pool_bytes: u64,
+    /// The vision and audio towers (loaded on first use, checked with the text model).
+    pub towers: Vec<TowerNeeds>,
+}
+
+/// What a vision or audio tower needs: its weights (tower and projector, as stored) and the
+/// intermediate buffers of one run over its largest input (SigLIP's 4,096 patches, Gemma 4's
+/// ViT at 1,120 soft tokens, the audio tower at its longest clip), attention's q/k/v and
+/// output among them.
+#[derive(Clone, Debug, Default)]
+pub struct TowerNeeds {
+    /// What it is, for messages ("the SigLIP vision tower at 4096 patches").
+    pub name: String,
+    pub weight_bytes: u64,
+    /// The largest intermediate buffer of a run.
+    pub largest_pool: u64,
+    /// All intermediate buffers of a run together.
+    pub pool_bytes: u64,
+}
+
+impl TowerNeeds {
+    /// The needs of a tower graph (built over its largest input) whose weights store
+    /// `weight_bytes`.
+    pub fn of(name: impl Into<String>, graph: Graph, weight_bytes: u64) -> Result<TowerNeeds, String> {
+        let c = compile(graph, PhasePolicy::EmbedLayersHead).map_err(|e| e.to_string())?;
+        let sizes = c.alloc.pool_sizes.iter().map(|&s| s as u64);
+        Ok(TowerNeeds { name: name.into(), weight_bytes, largest_pool: sizes.clone().max().unwrap_or(0), pool_bytes: sizes.sum() })
+    }
+
+    /// Weights and buffers together.
+    pub fn bytes(&self) -> u64 {
+        self.weight_bytes.saturating_add(self.pool_bytes)
+    }
 }
 
 fn bytes(shape: &[usize]) -> u64 {
@@ -71,6 +103,14 @@ impl Needs {
         let binding = limits.max_storage_buffer_binding_size as u64;
         let buffer = limits.max_buffer_size;
         for (limit, name) in [(binding, "storage binding"), (buffer, "buffer")] {
+            if let Some(t) = self.towers.iter().find(|t| t.largest_pool > limit) {
+                return Err(format!(
+                    "{}: an intermediate buffer needs {}, more than {adapter}'s {} {name} limit: this adapter cannot run the tower",
+                    t.name,
+                    human(t.largest_pool),
+                    human(limit)
+                ));
+            }
             if self.largest_pool > limit {
                 return Err(format!(
                     "an intermediate buffer needs {}, more than {adapter}'s {} {name} limit: lower --max-context (KV cache in all: {})",
@@ -89,17 +129,28 @@ impl Needs {
         Ok(())
     }
 
-    /// The CPU executor's caches and one prefill chunk's values within the memory available.
+    /// The CPU executor's caches, one prefill chunk's values and the towers' weights and
+    /// buffers within the memory available.
     pub fn fit_host(&self) -> Result<(), String> {
-        let need = self.kv_bytes.saturating_add(self.pool_bytes);
+        self.fit_memory(available_memory())
+    }
+
+    /// [`Needs::fit_host`] against `avail` bytes (`None`: unknown, probed by reserving).
+    pub fn fit_memory(&self, avail: Option<u64>) -> Result<(), String> {
+        let towers: u64 = self.towers.iter().map(TowerNeeds::bytes).fold(0, u64::saturating_add);
+        let need = self.kv_bytes.saturating_add(self.pool_bytes).saturating_add(towers);
         let refuse = |have: String| {
-            Err(format!(
-                "the KV cache ({}) and a prefill chunk's buffers ({}) need more than {have}: lower --max-context",
-                human(self.kv_bytes),
-                human(self.pool_bytes)
-            ))
+            let mut parts = vec![format!("the KV cache ({})", human(self.kv_bytes)), format!("a prefill chunk's buffers ({})", human(self.pool_bytes))];
+            parts.extend(self.towers.iter().map(|t| format!("{} (weights {}, buffers {})", t.name, human(t.weight_bytes), human(t.pool_bytes))));
+            let last = parts.pop().unwrap_or_default();
+            let fix = match avail {
+                Some(a) if towers > a => format!("the towers alone need {}", human(towers)),
+                _ if towers > 0 => format!("lower --max-context (the towers need {} of it)", human(towers)),
+                _ => "lower --max-context".to_string(),
+            };
+            Err(format!("{} and {last} need more than {have}: {fix}", parts.join(", ")))
         };
-        match available_memory() {
+        match avail {
             Some(avail) if need > avail => refuse(format!("the {} of memory available", human(avail))),
             Some(_) => Ok(()),
             None => {

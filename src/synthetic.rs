@@ -9,15 +9,34 @@ use markbase_graph::builder::{BuildOptions, WeightResolver};
 use markbase_graph::config::ModelConfig;
 use markbase_graph::ir::{Graph, WeightParam};
 use markbase_graph::quant::{FloatType, QuantMode, QuantSpec, WeightFormat};
+use markbase_graph::tower::{build_gemma4_tower, build_siglip_tower};
+use markbase_graph::vision::{TowerKind, VisionConfig};
 
 use crate::weights::{RawDType, RawTensor, WeightData, Weights};
 
 /// Names of the built-in synthetic shapes.
-pub const NAMES: &[&str] =
-    &["gemma3-270m", "gemma3-1b", "gemma3-12b", "gemma4-e2b", "gemma4-e4b", "gemma4-26b-a4b", "gemma4-31b", "tiny-gemma3", "tiny-gemma4"];
+pub const NAMES: &[&str] = &[
+    "gemma3-270m",
+    "gemma3-1b",
+    "gemma3-4b",
+    "gemma3-12b",
+    "gemma4-e2b",
+    "gemma4-e4b",
+    "gemma4-26b-a4b",
+    "gemma4-31b",
+    "tiny-gemma3",
+    "tiny-gemma4",
+    "gemma3-4b-vision",
+    "gemma4-e2b-vision",
+    "tiny-gemma3-vision",
+    "tiny-gemma4-vision",
+];
 
 /// The `config.json` of a synthetic shape (quantized affine 4-bit g64).
 pub fn config_json(name: &str) -> Option<serde_json::Value> {
+    if let Some(v) = with_vision(name) {
+        return Some(v);
+    }
     let q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
     let mut v = match name {
         "gemma3-270m" => json!({"model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 18,
@@ -26,6 +45,10 @@ pub fn config_json(name: &str) -> Option<serde_json::Value> {
         "gemma3-1b" => json!({"model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26,
             "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
             "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144}),
+        "gemma3-4b" => json!({"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,
+            "intermediate_size": 10240, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
         "gemma3-12b" => json!({"model_type": "gemma3_text", "hidden_size": 3840, "num_hidden_layers": 48,
             "intermediate_size": 15360, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
             "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
@@ -64,6 +87,97 @@ pub fn config_json(name: &str) -> Option<serde_json::Value> {
     v["bos_token_id"] = json!(2);
     v["eos_token_id"] = json!([1, 106]);
     Some(v)
+}
+
+/// The multimodal `config.json` (mlx-vlm's wrapper) of a synthetic shape with a vision tower:
+/// a text shape above and the tower of the real checkpoint (Gemma 3 4B: SigLIP So400m/14 at
+/// 896 px; Gemma 4 E2B: the 16-layer ViT), or a very small tower for tests.
+fn with_vision(name: &str) -> Option<serde_json::Value> {
+    let siglip = |hidden: usize, inter: usize, layers: usize, heads: usize, size: usize| {
+        json!({"model_type": "siglip_vision_model", "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "patch_size": 14, "image_size": size,
+            "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "vision_use_head": false})
+    };
+    let vit = |hidden: usize, inter: usize, layers: usize, heads: usize, head_dim: usize, table: usize| {
+        json!({"model_type": "gemma4_vision", "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": head_dim,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "patch_size": 16, "pooling_kernel_size": 3,
+            "position_embedding_size": table, "default_output_length": 280, "use_clipped_linears": true,
+            "standardize": false, "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}, "attention_bias": false})
+    };
+    // (text shape, wrapper type, vision config, soft tokens per image, image / boi / eoi ids)
+    let (text, wrapper, vision, tokens, ids) = match name {
+        "gemma3-4b-vision" => ("gemma3-4b", "gemma3", siglip(1152, 4304, 27, 16, 896), 256, [262144, 255999, 256000]),
+        "tiny-gemma3-vision" => ("tiny-gemma3", "gemma3", siglip(64, 128, 2, 2, 224), 16, [999, 997, 998]),
+        "gemma4-e2b-vision" => ("gemma4-e2b", "gemma4", vit(768, 3072, 16, 12, 64, 10240), 280, [258880, 255999, 258882]),
+        "tiny-gemma4-vision" => ("tiny-gemma4", "gemma4", vit(32, 64, 2, 2, 16, 128), 280, [999, 997, 998]),
+        _ => return None,
+    };
+    let mut t = config_json(text)?;
+    let top: Vec<(String, serde_json::Value)> = ["quantization", "bos_token_id", "eos_token_id"]
+        .iter()
+        .filter_map(|k| t.as_object_mut()?.remove(*k).map(|v| (k.to_string(), v)))
+        .collect();
+    let vocab = t["vocab_size"].clone();
+    let mut v = json!({"model_type": wrapper, "text_config": t, "vision_config": vision, "vocab_size": vocab});
+    for (k, x) in top {
+        v[k] = x;
+    }
+    let keys = if wrapper == "gemma3" {
+        v["mm_tokens_per_image"] = json!(tokens);
+        ["image_token_index", "boi_token_index", "eoi_token_index"]
+    } else {
+        v["vision_soft_tokens_per_image"] = json!(tokens);
+        ["image_token_id", "boi_token_id", "eoi_token_id"]
+    };
+    for (k, id) in keys.into_iter().zip(ids) {
+        v[k] = json!(id);
+    }
+    Some(v)
+}
+
+/// The vision tower of a synthetic shape (`None`: a text-only shape).
+pub fn vision_config(name: &str) -> Result<Option<VisionConfig>, String> {
+    let v = config_json(name).ok_or_else(|| format!("unknown synthetic model {name:?}; known: {}", NAMES.join(", ")))?;
+    let text = ModelConfig::from_value(&v).map_err(|e| e.to_string())?;
+    VisionConfig::from_value(&v, &text).map_err(|e| e.to_string())
+}
+
+/// Random weights of a vision tower and its projector, every tensor bf16 as mlx-vlm's
+/// checkpoints ship them (its converter quantizes no tower module), generated in parallel.
+/// Clip bounds are ±8 (finite, so the clamps run); biases are small.
+pub fn tower_weights(vc: &VisionConfig) -> Result<Weights, String> {
+    struct Bf16;
+    impl WeightResolver for Bf16 {
+        fn format(&self, _: &str, _: &[usize], _: bool) -> WeightFormat {
+            WeightFormat::Float { dtype: FloatType::Bf16 }
+        }
+    }
+    // the weights are those of every grid: take them from the smallest
+    let g = match vc.kind {
+        TowerKind::Gemma4Vit => build_gemma4_tower(vc, &Bf16, vc.pool, vc.pool),
+        TowerKind::Siglip => build_siglip_tower(vc, &Bf16),
+    }
+    .map_err(|e| e.to_string())?;
+    let mut params: Vec<WeightParam> = vec![];
+    for (_, p) in g.weights() {
+        if !params.iter().any(|q| q.name == p.name) {
+            params.push(p.clone());
+        }
+    }
+    let mut weights = Weights::default();
+    for (i, p) in params.iter().enumerate() {
+        let numel: usize = p.shape.iter().product();
+        let seed = 0x7e11_0000 + i as u64;
+        let mut w = random_weight(p, seed, false);
+        if let Some(bound) = [("_min", -8.0), ("_max", 8.0)].iter().find(|b| p.name.ends_with(b.0)).map(|b| b.1) {
+            w.weight.bytes = bf16_fill(numel, |_| bound);
+        } else if p.name.ends_with(".bias") {
+            w.weight.bytes = bf16_fill(numel, |i| 0.02 * (hash01(i, seed) - 0.5));
+        }
+        weights.insert(w);
+    }
+    Ok(weights)
 }
 
 /// Parsed config of a synthetic shape.
@@ -114,10 +228,14 @@ fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
 }
 
 fn bf16_fill(n: usize, f: impl Fn(usize) -> f32 + Sync) -> Vec<u8> {
+    // a task per 8192 values, not per value
+    const CHUNK: usize = 8192;
     let mut out = vec![0u8; 2 * n];
-    out.par_chunks_mut(2).enumerate().for_each(|(i, c)| {
-        let b = (f(i).to_bits() >> 16) as u16;
-        c.copy_from_slice(&b.to_le_bytes());
+    out.par_chunks_mut(2 * CHUNK).enumerate().for_each(|(ci, c)| {
+        for (j, v) in c.chunks_mut(2).enumerate() {
+            let b = (f(ci * CHUNK + j).to_bits() >> 16) as u16;
+            v.copy_from_slice(&b.to_le_bytes());
+        }
     });
     out
 }

@@ -114,7 +114,7 @@ fn a_continued_sequence_matches_a_fresh_one() {
 #[test]
 fn buffers_are_checked_against_the_device() {
     // one layer's keys: 512 MiB in 4096 slots of 128 KiB
-    let n = Needs { kv_bytes: 4 << 30, largest_kv: 512 << 20, kv_rows: vec![(4096, 128 << 10)], largest_pool: 1 << 20, pool_bytes: 1 << 20 };
+    let n = Needs { kv_bytes: 4 << 30, largest_kv: 512 << 20, kv_rows: vec![(4096, 128 << 10)], largest_pool: 1 << 20, pool_bytes: 1 << 20, towers: vec![] };
     let limits = wgpu::Limits { max_storage_buffer_binding_size: 128 << 20, ..Default::default() };
     // caches over the binding limit are chunked
     assert!(n.fit_gpu("some adapter", &limits, 128 << 20, false).is_ok());

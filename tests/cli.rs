@@ -140,6 +140,79 @@ fn bench_runs_on_gpu_and_cpu() {
     }
 }
 
+/// `bench` of the tiny synthetic vision shapes: each backend encodes an image (SigLIP's 16
+/// soft tokens; Gemma 4's ViT at two budgets) and times the first token of it and 32 text
+/// tokens; the FLOPs follow the documented count.
+#[test]
+fn bench_encodes_images_on_gpu_and_cpu() {
+    // SigLIP, 256 patches of 14 (3x14x14 = 588 values), hidden 64, MLP 128, 2 layers, 2 heads
+    // x 32, 16 soft tokens into a text width of 128: 2·M·N·K per matmul, 4·P·S·H·d per attention
+    let layer = 4.0 * 2.0 * 256.0 * 64.0 * 64.0 + 2.0 * 2.0 * 256.0 * 64.0 * 128.0 + 4.0 * 256.0 * 256.0 * 64.0;
+    let siglip_flop = 2.0 * 256.0 * 64.0 * 588.0 + 2.0 * layer + 2.0 * 16.0 * 64.0 * 128.0;
+    // (lavapipe's attention over Gemma 4's 630 patches takes seconds: one budget there)
+    let runs = [
+        ("tiny-gemma3-vision", "vulkan", None, vec![16]),
+        ("tiny-gemma3-vision", "cpu", None, vec![16]),
+        ("tiny-gemma4-vision", "vulkan", Some("70"), vec![70]),
+        ("tiny-gemma4-vision", "cpu", Some("70,140"), vec![70, 140]),
+    ];
+    for (model, backend, tokens, want) in runs {
+        {
+            let mut args = vec!["bench", "--synthetic", model, "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", backend, "--json"];
+            args.extend(tokens.iter().flat_map(|t| ["--image-tokens", *t]));
+            let (ok, out, err) = run(&args);
+            assert!(ok, "{model} {backend}: {err}");
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            let r = &v[0];
+            assert!(r.get("error").is_none(), "{r}");
+            // the text bench's fields are still there
+            assert!(r["decode_tok_s_median"].as_f64().unwrap() > 0.0, "{r}");
+            let images = r["image"].as_array().unwrap_or_else(|| panic!("no image records: {r}"));
+            assert_eq!(images.iter().map(|i| i["soft_tokens"].as_u64().unwrap() as usize).collect::<Vec<_>>(), want, "{r}");
+            for i in images {
+                for k in ["encode_ms", "encode_wall_ms", "tower_tflop", "encode_tflop_s", "ttft_ms", "ttft_with_encode_ms"] {
+                    let x = i[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {i}"));
+                    assert!(x.is_finite() && x > 0.0, "{k} = {x}: {i}");
+                }
+                let n = i["soft_tokens"].as_u64().unwrap();
+                assert_eq!(i["prompt_tokens"].as_u64().unwrap(), n + 3 + 32, "{i}");
+                // the patches pool into the soft tokens
+                let pool = if model.contains("gemma3") { 16 } else { 9 };
+                assert_eq!(i["patches"].as_u64().unwrap(), n * pool, "{i}");
+                let timing = i["encode_timing"].as_str().unwrap();
+                assert!(if backend == "cpu" { timing == "wall" } else { ["gpu", "wall"].contains(&timing) }, "{i}");
+            }
+            if model.contains("gemma3") {
+                let f = images[0]["tower_tflop"].as_f64().unwrap() * 1e12;
+                assert!((f - siglip_flop).abs() < 1e-6 * siglip_flop, "{f} FLOP, counted {siglip_flop}");
+            }
+        }
+    }
+    // the table: a row per image after the text rows
+    let (ok, out, err) = run(&["bench", "--synthetic", "tiny-gemma4-vision", "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu", "--image-tokens", "70"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("| soft tokens | patches | encode ms |") && out.contains("| gemma4 ViT | 70 | 630 |"), "{out}");
+    let tiny = ["bench", "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu", "--synthetic"];
+    fails_with(&[&tiny[..], &["tiny-gemma3-vision", "--image-tokens", "280"]].concat(), "applies to Gemma 4's ViT");
+    // a checkpoint whose tower cannot run still benchmarks its text, unless images are asked for
+    let dir = std::env::temp_dir().join(format!("markbase-cli-{}-standardize", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(root().join("tests/fixtures/vlm/gemma4").join(f), dir.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["vision_config"]["standardize"] = serde_json::json!(true);
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let m = dir.to_str().unwrap();
+    let (ok, out, err) = run(&["bench", "-m", m, "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu"]);
+    assert!(ok && err.contains("no image bench") && err.contains("standardize") && out.contains("| cpu |"), "{out}{err}");
+    fails_with(&["bench", "-m", m, "--prompt", "8", "--gen", "2", "--runs", "1", "--backend", "cpu", "--image-tokens", "70"], "standardize");
+    let _ = std::fs::remove_dir_all(&dir);
+    fails_with(&[&tiny[..], &["tiny-gemma4-vision", "--image-tokens", "100"]].concat(), "not one of Gemma 4's budgets");
+    fails_with(&[&tiny[..], &["tiny-gemma3", "--image-tokens", "280"]].concat(), "no vision tower");
+}
+
 #[test]
 fn bench_profile_names_ops_and_weights() {
     let (ok, out, err) = run(&["bench", "--synthetic", "tiny-gemma3", "--prompt", "8", "--gen", "2", "--runs", "1", "--profile"]);

@@ -327,6 +327,11 @@ impl std::fmt::Debug for FeatureExtractor {
 }
 
 impl FeatureExtractor {
+    /// Frames of a clip of `samples` samples (padding frames included).
+    pub fn frames(&self, samples: usize) -> usize {
+        self.frame_plan(samples).0
+    }
+
     pub fn new(cfg: FeatureConfig) -> Result<FeatureExtractor, Error> {
         cfg.validate()?;
         let fl = cfg.frame_length();

@@ -13,6 +13,9 @@ use markbase_graph::vision::{tower_params, TowerKind, VisionConfig};
 use markbase_graph::{Graph, WeightFormat};
 
 use super::{Checkpoint, LoadError, Part, Problem, Report, Severity, TensorInfo};
+use crate::audio::{FeatureConfig, FeatureExtractor};
+use crate::memory::TowerNeeds;
+use crate::vision::processor::{tower_grid, GEMMA4_BUDGETS};
 use crate::weights::Weights;
 
 /// Prefixes of the audio tower's tensors (not part of the vision check: listed, never fatal
@@ -225,6 +228,38 @@ impl Checkpoint {
             return Err(LoadError::Invalid(r));
         }
         self.copy_params(&self.tower_index, &params, r, &super::LoadOptions::default())
+    }
+
+    /// What the vision and audio towers need in memory, checked before the model loads: each
+    /// tower's weights as stored and the buffers of one run over its largest input (Gemma 4's
+    /// ViT at its largest budget, 1,120 soft tokens; SigLIP at its input size; the audio tower
+    /// over the longest clip the feature extractor takes). A tower whose config, processor
+    /// settings or graph cannot be made is left out: giving it an input reports that.
+    pub fn tower_needs(&self) -> Vec<TowerNeeds> {
+        let mut out = vec![];
+        if let Ok(Some(vc)) = self.vision_config() {
+            let bytes = self.vision_params(&vc).iter().map(|p| p.stored_bytes() as u64).sum();
+            let grid = tower_grid(&vc, GEMMA4_BUDGETS[GEMMA4_BUDGETS.len() - 1]);
+            if let Ok(g) = grid.and_then(|(r, c)| self.tower_graph(&vc, r, c).map_err(|e| e.to_string())) {
+                let name = format!("the {} vision tower at {} patches", vc.kind.name(), g.tokens);
+                out.extend(TowerNeeds::of(name, g, bytes).ok());
+            }
+        }
+        if let Ok(Some(ac)) = self.audio_config() {
+            let res = TowerResolver(self);
+            let bytes = audio_tower_params(&ac).iter().map(|p| WeightParam { format: res.format(&p.name, &p.shape, p.module), name: p.name.clone(), shape: p.shape.clone(), module: p.module }.stored_bytes() as u64).sum();
+            let frames = FeatureConfig::from_checkpoint(self.dir()).and_then(|c| {
+                let longest = if c.max_length > 0 { c.max_length } else { 30 * c.sampling_rate as usize };
+                let seconds = longest as f64 / c.sampling_rate.max(1) as f64;
+                Ok((FeatureExtractor::new(c)?.frames(longest), seconds))
+            });
+            if let Ok((frames, seconds)) = frames {
+                if let Ok(g) = self.audio_tower_graph(&ac, frames) {
+                    out.extend(TowerNeeds::of(format!("the audio tower at a {seconds:.0} s clip"), g, bytes).ok());
+                }
+            }
+        }
+        out
     }
 
     /// What the towers hold, for `inspect` (`None` values when the config has no vision tower

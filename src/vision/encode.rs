@@ -31,8 +31,8 @@ pub(crate) enum Runner {
 }
 
 impl Runner {
-    pub(crate) fn new(weights: Weights, device: DeviceKind, check_nan: bool) -> Result<Runner, Error> {
-        let weights = Arc::new(weights);
+    pub(crate) fn new(weights: impl Into<Arc<Weights>>, device: DeviceKind, check_nan: bool) -> Result<Runner, Error> {
+        let weights = weights.into();
         Ok(match device {
             DeviceKind::Cpu => Runner::Cpu(CpuWeights::new(weights)),
             DeviceKind::Gpu(b) => Runner::Gpu(Box::new(GpuExecutor::new(b, weights, check_nan).map_err(Error::Device)?)),

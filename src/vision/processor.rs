@@ -13,6 +13,28 @@ use super::resample::{resize, Filter};
 /// Soft-token budgets Gemma 4's processor accepts.
 pub const GEMMA4_BUDGETS: [usize; 5] = [70, 140, 280, 560, 1120];
 
+/// The patch grid of an image of `tokens` soft tokens: SigLIP's square input (its fixed
+/// count, whatever `tokens`), Gemma 4's [`gemma4_grid`].
+pub fn tower_grid(vc: &markbase_graph::vision::VisionConfig, tokens: usize) -> Result<(usize, usize), String> {
+    match vc.kind {
+        markbase_graph::vision::TowerKind::Siglip => Ok((vc.grid_side(), vc.grid_side())),
+        markbase_graph::vision::TowerKind::Gemma4Vit => gemma4_grid(tokens, vc.pool, vc.position_table),
+    }
+}
+
+/// The patch grid (rows, columns) of `tokens` soft tokens of Gemma 4's tower pooling `pool x
+/// pool` patches: `pool·a x pool·b` with `a·b = tokens` and `a ≤ b` as close as can be (an
+/// image whose aspect ratio fills the budget exactly; no image has more patches than the
+/// budget's). An error where a side exceeds the position table (`table` rows).
+pub fn gemma4_grid(tokens: usize, pool: usize, table: usize) -> Result<(usize, usize), String> {
+    let a = (1..=tokens).take_while(|a| a * a <= tokens).filter(|a| tokens % a == 0).last().unwrap_or(1);
+    let (rows, cols) = (a * pool, tokens / a * pool);
+    if cols > table {
+        return Err(format!("{tokens} soft tokens make a {rows}x{cols} patch grid, over the tower's position table ({table} rows)"));
+    }
+    Ok((rows, cols))
+}
+
 /// Gemma 3's processor (SigLIP input).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gemma3Processor {
