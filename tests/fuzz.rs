@@ -1,12 +1,14 @@
 //! Property-based fuzzing of the parsers users reach: safetensors headers and the
-//! shard index, `config.json` through graph building and compiling, and the
-//! tokenizer with the chat template. Every input must give `Ok` or a clear `Err`:
-//! never a panic, never an absurd allocation, always in bounded time.
+//! shard index, `config.json` through graph building and compiling, the tokenizer
+//! with the chat template, and the server's request bodies through their checks.
+//! Every input must give `Ok` or a clear `Err` (for a request: a 4xx): never a panic,
+//! never an absurd allocation, always in bounded time.
 //!
-//! Each target starts from the real fixtures and mutates them. The corpus under
-//! `tests/fuzz-corpus/` (seeds and regressions) is replayed on every run.
-//! `MARKBASE_FUZZ_CASES=<n>` sets the number of generated cases per target
-//! (default 1024); `MARKBASE_FUZZ_SECS=<s>` the time one case may take (default 20).
+//! Each target starts from the real fixtures (the server's: real request bodies) and
+//! mutates them. The corpus under `tests/fuzz-corpus/` (seeds and regressions) is
+//! replayed on every run. `MARKBASE_FUZZ_CASES=<n>` sets the number of generated cases
+//! per target (default 1024); `MARKBASE_FUZZ_SECS=<s>` the time one case may take
+//! (default 20); `MARKBASE_FUZZ_SEED=<n>` replays a run (each run prints its seed).
 
 use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -89,8 +91,36 @@ impl Reach {
     }
 }
 
-fn runner() -> TestRunner {
-    TestRunner::new(Config { cases: cases(), failure_persistence: None, max_shrink_iters: 256, ..Config::default() })
+/// The generator's seed: `MARKBASE_FUZZ_SEED`, or a fresh one from the OS (each run explores
+/// new cases). Printed, and named in every failure, so that a failing run can be replayed.
+fn seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| match std::env::var("MARKBASE_FUZZ_SEED") {
+        Ok(s) => s.parse().unwrap_or_else(|_| panic!("MARKBASE_FUZZ_SEED={s} is not a u64")),
+        Err(_) => {
+            use std::hash::{BuildHasher, Hasher};
+            // the standard library's hasher keys come from the OS's random source
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.finish()
+        }
+    })
+}
+
+/// A runner for `target`, its seed printed (and in the failure message, through [`run`]).
+fn runner(target: &str) -> TestRunner {
+    let seed = seed();
+    println!("{target}: seed {seed} (MARKBASE_FUZZ_SEED={seed} replays it), {} cases", cases());
+    let rng_seed = proptest::test_runner::RngSeed::Fixed(seed);
+    TestRunner::new(Config { cases: cases(), failure_persistence: None, max_shrink_iters: 256, rng_seed, ..Config::default() })
+}
+
+/// Runs `test` on the cases of `strat`; a failure names the seed that replays it.
+fn run<S: Strategy>(target: &str, strat: &S, test: impl Fn(S::Value) -> Result<(), TestCaseError>) {
+    if let Err(e) = runner(target).run(strat, test) {
+        let seed = seed();
+        panic!("{target}: {e}\n(seed {seed}: MARKBASE_FUZZ_SEED={seed} MARKBASE_FUZZ_CASES={} replays it)", cases());
+    }
 }
 
 /// The cases in flight (by test thread): their start and their input, watched by a thread
@@ -445,23 +475,21 @@ fn fuzz_safetensors() {
     }
     let originals: Vec<Vec<(String, Vec<u8>)>> = ST_FIXTURES.iter().map(|n| fixture_files(n)).collect();
     let strat = (0..ST_FIXTURES.len(), any::<usize>(), prop::collection::vec(st_mutation(), 1..3));
-    runner()
-        .run(&strat, |(fx, which, muts)| {
-            let mut files = originals[fx].clone();
-            for m in &muts {
-                mutate_checkpoint(&mut files, m, which);
-            }
-            let t = TempDir::new("st");
-            for (n, b) in &files {
-                write(&t.0, n, b);
-            }
-            let what = || {
-                let hs: Vec<String> = files.iter().filter(|f| f.0.ends_with(".safetensors")).map(|f| format!("{}: {}", f.0, short(&f.1[..f.1.len().min(8 + 4000)]))).collect();
-                format!("fixture {} mutations {muts:?}\n{}", ST_FIXTURES[fx], hs.join("\n"))
-            };
-            guarded(&what, || exercise_checkpoint(&t.0, &reach))
-        })
-        .unwrap();
+    run("safetensors", &strat, |(fx, which, muts)| {
+        let mut files = originals[fx].clone();
+        for m in &muts {
+            mutate_checkpoint(&mut files, m, which);
+        }
+        let t = TempDir::new("st");
+        for (n, b) in &files {
+            write(&t.0, n, b);
+        }
+        let what = || {
+            let hs: Vec<String> = files.iter().filter(|f| f.0.ends_with(".safetensors")).map(|f| format!("{}: {}", f.0, short(&f.1[..f.1.len().min(8 + 4000)]))).collect();
+            format!("fixture {} mutations {muts:?}\n{}", ST_FIXTURES[fx], hs.join("\n"))
+        };
+        guarded(&what, || exercise_checkpoint(&t.0, &reach))
+    });
     reach.print("safetensors", &["opened", "built", "loaded"]);
 }
 
@@ -607,16 +635,14 @@ fn fuzz_config() {
     let originals: Vec<Value> =
         CONFIG_FIXTURES.iter().map(|n| serde_json::from_str(&std::fs::read_to_string(fixtures().join(n).join("config.json")).unwrap()).unwrap()).collect();
     let strat = (0..CONFIG_FIXTURES.len(), prop::collection::vec(cfg_edit(), 1..5));
-    runner()
-        .run(&strat, |(fx, edits)| {
-            let mut v = originals[fx].clone();
-            for e in &edits {
-                edit_config(&mut v, e);
-            }
-            let text = serde_json::to_string(&v).unwrap();
-            guarded(&|| format!("fixture {} edits {edits:?}\nconfig.json: {text}", CONFIG_FIXTURES[fx]), || exercise_config(&text, &reach))
-        })
-        .unwrap();
+    run("config", &strat, |(fx, edits)| {
+        let mut v = originals[fx].clone();
+        for e in &edits {
+            edit_config(&mut v, e);
+        }
+        let text = serde_json::to_string(&v).unwrap();
+        guarded(&|| format!("fixture {} edits {edits:?}\nconfig.json: {text}", CONFIG_FIXTURES[fx]), || exercise_config(&text, &reach))
+    });
     reach.print("config", &["parsed", "built", "compiled"]);
 }
 
@@ -685,7 +711,244 @@ fn fuzz_tokenizer() {
     let role = prop_oneof![prop::sample::select(vec!["user", "assistant", "system", "model", "tool", ""]).prop_map(String::from), fuzz_text()];
     let msg = (role, fuzz_text()).prop_map(|(role, content)| Message { role, content });
     let strat = (fuzz_text(), prop::collection::vec(id, 0..24), prop::collection::vec(msg, 0..5));
-    runner()
-        .run(&strat, |(text, ids, msgs)| guarded(&|| format!("text {text:?} ids {ids:?} messages {msgs:?}"), || exercise_tokenizer(&tok, &text, &ids, &msgs)))
-        .unwrap();
+    run("tokenizer", &strat, |(text, ids, msgs)| guarded(&|| format!("text {text:?} ids {ids:?} messages {msgs:?}"), || exercise_tokenizer(&tok, &text, &ids, &msgs)));
+}
+
+// ---------------------------------------------------------------------------
+// 4. the server's request bodies: /v1/chat/completions and /v1/completions
+
+/// Top-level fields of both endpoints' bodies, and a few they do not know.
+const REQUEST_FIELDS: &[&str] = &[
+    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed", "n", "best_of", "logprobs", "top_logprobs", "ignore_eos",
+    "echo", "suffix", "logit_bias", "tools", "response_format", "user", "x",
+];
+
+/// Token ids around the fixture's vocabulary (512) and the ends of the integer types.
+fn request_ids() -> impl Strategy<Value = Value> {
+    prop::collection::vec(prop_oneof![4 => 0u64..600, 1 => Just(u32::MAX as u64), 1 => Just(1u64 << 32), 1 => Just(u64::MAX)], 0..8).prop_map(|v| json!(v))
+}
+
+/// A chat message: odd roles, content as text, parts (text, image, audio, malformed) or junk.
+fn request_message() -> impl Strategy<Value = Value> {
+    let role = prop_oneof![
+        4 => prop::sample::select(vec!["system", "developer", "user", "assistant", "tool", "model", ""]).prop_map(|r| json!(r)),
+        1 => odd_value(),
+    ];
+    let part = prop_oneof![
+        3 => fuzz_text().prop_map(|t| json!({"type": "text", "text": t})),
+        1 => Just(json!({"type": "text"})),
+        1 => Just(json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}})),
+        1 => Just(json!({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}})),
+        1 => odd_value().prop_map(|v| json!({"type": v, "text": "w1"})),
+        1 => odd_value(),
+    ];
+    let content = prop_oneof![
+        3 => fuzz_text().prop_map(Value::String),
+        2 => prop::collection::vec(part, 0..4).prop_map(Value::Array),
+        1 => odd_value(),
+    ];
+    (role, prop::option::weighted(0.9, content)).prop_map(|(role, content)| match content {
+        Some(c) => json!({"role": role, "content": c}),
+        None => json!({"role": role}),
+    })
+}
+
+/// Values for a request field: wrong types, edges of each number type, odd text, token ids,
+/// messages, and the objects some fields take.
+fn request_value() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        4 => odd_value(),
+        2 => prop::sample::select(vec![-0.0, 1e-45, 1e39, 0.5, 2.0, 20.0, 21.0, 4294967296.0, -1e-9]).prop_map(|x| json!(x)),
+        2 => fuzz_text().prop_map(Value::String),
+        2 => request_ids(),
+        1 => prop::collection::vec(request_ids(), 0..3).prop_map(Value::Array),
+        1 => prop::collection::vec(fuzz_text(), 0..6).prop_map(|v| json!(v)),
+        2 => prop::collection::vec(request_message(), 0..5).prop_map(Value::Array),
+        1 => prop::sample::select(vec![
+            json!({"include_usage": true}),
+            json!({"include_usage": "yes"}),
+            json!({"type": "text"}),
+            json!({"type": "json_object"}),
+            json!({"5": 10}),
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ]),
+    ]
+}
+
+#[derive(Clone, Debug)]
+enum ReqEdit {
+    /// Set or remove a top-level field (one of `REQUEST_FIELDS`).
+    Field { key: usize, value: Option<Value> },
+    /// Set or remove a field of the `index`-th message.
+    Message { index: usize, field: &'static str, value: Option<Value> },
+    /// Append a message.
+    Push { message: Value },
+    /// Nest a field's value `depth` arrays deep.
+    Deep { key: usize, depth: usize },
+}
+
+#[derive(Clone, Debug)]
+enum ReqBytes {
+    /// Byte edits of the serialized body: set, delete, or insert a JSON-ish byte.
+    Edit(Vec<(usize, u8, u8)>),
+    Truncate(usize),
+    /// Replace the body with random bytes.
+    Random(Vec<u8>),
+}
+
+fn req_edit() -> impl Strategy<Value = ReqEdit> {
+    prop_oneof![
+        6 => (any::<usize>(), prop::option::weighted(0.85, request_value())).prop_map(|(key, value)| ReqEdit::Field { key, value }),
+        3 => (any::<usize>(), prop::sample::select(vec!["role", "content", "name"]), prop::option::weighted(0.85, request_value()))
+            .prop_map(|(index, field, value)| ReqEdit::Message { index, field, value }),
+        1 => request_message().prop_map(|message| ReqEdit::Push { message }),
+        1 => (any::<usize>(), prop_oneof![Just(2usize), Just(100), Just(127), Just(128), Just(10_000)]).prop_map(|(key, depth)| ReqEdit::Deep { key, depth }),
+    ]
+}
+
+fn req_bytes() -> impl Strategy<Value = ReqBytes> {
+    prop_oneof![
+        4 => prop::collection::vec((any::<usize>(), 0u8..3, any::<u8>()), 1..5).prop_map(ReqBytes::Edit),
+        1 => any::<usize>().prop_map(ReqBytes::Truncate),
+        1 => prop::collection::vec(any::<u8>(), 0..200).prop_map(ReqBytes::Random),
+    ]
+}
+
+fn edit_request(v: &mut Value, e: &ReqEdit) {
+    let Some(m) = v.as_object_mut() else { return };
+    match e {
+        ReqEdit::Field { key, value } => {
+            let k = REQUEST_FIELDS[key % REQUEST_FIELDS.len()].to_string();
+            match value {
+                Some(x) => m.insert(k, x.clone()),
+                None => m.remove(&k),
+            };
+        }
+        ReqEdit::Message { index, field, value } => {
+            let Some(Value::Array(msgs)) = m.get_mut("messages") else { return };
+            let n = msgs.len();
+            let Some(Value::Object(msg)) = msgs.get_mut(index % n.max(1)) else { return };
+            match value {
+                Some(x) => msg.insert(field.to_string(), x.clone()),
+                None => msg.remove(*field),
+            };
+        }
+        ReqEdit::Push { message } => {
+            if let Some(Value::Array(msgs)) = m.get_mut("messages") {
+                msgs.push(message.clone());
+            } else {
+                m.insert("messages".into(), json!([message]));
+            }
+        }
+        ReqEdit::Deep { key, depth } => {
+            let k = REQUEST_FIELDS[key % REQUEST_FIELDS.len()].to_string();
+            let mut x = m.remove(&k).unwrap_or(json!(1));
+            // built from the inside out; serde_json drops deep values by recursion (on the
+            // test's own stack), so very deep ones are written as text below
+            for _ in 0..(*depth).min(100) {
+                x = json!([x]);
+            }
+            m.insert(k, x);
+        }
+    }
+}
+
+/// The body's bytes: `v` serialized, very deep nesting spliced in as text, then byte edits.
+fn request_body(v: &Value, edits: &[ReqEdit], bytes: &Option<ReqBytes>) -> Vec<u8> {
+    let mut b = serde_json::to_vec(v).unwrap();
+    for e in edits {
+        if let ReqEdit::Deep { key, depth } = e {
+            if *depth > 100 && b.last() == Some(&b'}') {
+                b.pop();
+                let sep = if b.len() > 1 { "," } else { "" };
+                let k = REQUEST_FIELDS[key % REQUEST_FIELDS.len()];
+                b.extend_from_slice(format!("{sep}\"{k}\":{}1{}}}", "[".repeat(*depth), "]".repeat(*depth)).as_bytes());
+            }
+        }
+    }
+    match bytes {
+        None => {}
+        Some(ReqBytes::Edit(edits)) => {
+            for &(pos, op, byte) in edits {
+                let i = pos % (b.len() + 1);
+                match op {
+                    0 if i < b.len() => b[i] = byte,
+                    1 if i < b.len() => {
+                        b.remove(i);
+                    }
+                    _ => b.insert(i, b"{}[]\",:0-e.\\u"[byte as usize % 13]),
+                }
+            }
+        }
+        Some(ReqBytes::Truncate(keep)) => b.truncate(keep % (b.len() + 1)),
+        Some(ReqBytes::Random(r)) => b = r.clone(),
+    }
+    b
+}
+
+/// What a parse or check error must be: a client error (4xx) with a message, in the API's shape.
+fn client_error(e: &markbase::server::api::ApiError) {
+    assert!(e.status.is_client_error(), "status {} for a request's error: {}", e.status, e.message);
+    assert!(!e.message.is_empty(), "an error without a message");
+    let b = e.body();
+    assert!(b["error"]["message"].is_string() && b["error"]["type"].is_string(), "{b}");
+}
+
+/// Parses `body` and checks it for both endpoints under each of `limits`: every request is
+/// refused with a 4xx or comes out within what the checks promise.
+fn exercise_request(body: &[u8], limits: &[markbase::server::api::Limits], reach: &Reach) {
+    use markbase::server::api::{check, parse, Endpoint, MAX_TOP_LOGPROBS};
+    for ep in [Endpoint::Chat, Endpoint::Completions] {
+        for lim in limits {
+            let r = match parse(body) {
+                Ok(r) => r,
+                Err(e) => return client_error(&e),
+            };
+            reach.hit(0);
+            match check(r, ep, lim, || 7) {
+                Err(e) => client_error(&e),
+                Ok(c) => {
+                    reach.hit(if ep == Endpoint::Chat { 1 } else { 2 });
+                    let q = &c.req;
+                    assert!(!q.prompt.is_empty() && q.prompt.len() <= lim.max_context, "prompt of {} tokens", q.prompt.len());
+                    assert!(q.prompt.iter().all(|&t| (t as usize) < lim.vocab), "a token id past the vocabulary: {:?}", q.prompt);
+                    assert!(q.max_tokens >= 1 && q.max_tokens <= lim.max_context - q.prompt.len() + 1, "max_tokens {}", q.max_tokens);
+                    assert!(q.stop.len() <= 4, "{} stop strings", q.stop.len());
+                    assert!(q.logprobs.is_none_or(|n| n <= MAX_TOP_LOGPROBS as usize), "logprobs {:?}", q.logprobs);
+                    q.sampling.validate().unwrap_or_else(|e| panic!("accepted invalid sampling: {e}"));
+                    assert!(c.stream || !c.include_usage, "include_usage without a stream");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fuzz_server_requests() {
+    let (tok, _dir) = load_tokenizer();
+    let vocab = 512;
+    // the checkpoint's template with a short context, and Gemma's turns with a long one
+    let limits = [
+        markbase::server::api::Limits { tokenizer: &tok, chat_template: Some(GEMMA_TEMPLATE), max_context: 48, vocab },
+        markbase::server::api::Limits { tokenizer: &tok, chat_template: None, max_context: 4096, vocab },
+    ];
+    let reach = Reach::new(3);
+    let seeds = corpus("server");
+    assert!(seeds.len() >= 8, "the server corpus is missing ({} files)", seeds.len());
+    for (name, bytes) in &seeds {
+        guarded(&|| format!("corpus file {name}"), || exercise_request(bytes, &limits, &reach)).unwrap();
+    }
+    // the corpus's JSON objects are the bodies the mutations start from
+    let bases: Vec<Value> = seeds.iter().filter_map(|(_, b)| serde_json::from_slice::<Value>(b).ok()).filter(Value::is_object).collect();
+    let strat = (0..bases.len(), prop::collection::vec(req_edit(), 0..4), prop::option::weighted(0.3, req_bytes()));
+    run("server", &strat, |(base, edits, bytes)| {
+        let mut v = bases[base].clone();
+        for e in &edits {
+            edit_request(&mut v, e);
+        }
+        let body = request_body(&v, &edits, &bytes);
+        guarded(&|| format!("edits {edits:?} bytes {bytes:?}\nbody: {}", short(&body)), || exercise_request(&body, &limits, &reach))
+    });
+    reach.print("server", &["parsed", "chat accepted", "completion accepted"]);
 }

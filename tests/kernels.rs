@@ -1,6 +1,6 @@
 //! Every WGSL kernel against its CPU lowering (`markbase::cpu::ops`; weights
-//! decoded by `markbase::quant`), on fresh random inputs each run (the seed is
-//! printed; `MARKBASE_TEST_SEED=<n>` replays one). Both the subgroup and the
+//! decoded by `markbase::quant`), on random inputs of a fixed seed (printed;
+//! `MARKBASE_TEST_SEED=<n>` runs another). Both the subgroup and the
 //! subgroup-free variants run where the adapter has subgroups.
 //!
 //! Tolerance unless stated: max |gpu - cpu| <= 1e-4 * max|cpu| + 1e-5.

@@ -547,7 +547,6 @@ fn random_and_mutated_bodies_never_break_the_server() {
         json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "w2"}]}], "max_tokens": 3, "logprobs": true, "top_logprobs": 1}),
     ];
     let max_cases: usize = std::env::var("MARKBASE_SERVER_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(3000);
-    let budget = Duration::from_secs(std::env::var("MARKBASE_SERVER_FUZZ_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(25));
     let t0 = Instant::now();
     let addr = s.addr;
     let workers: Vec<_> = (0..3u64)
@@ -557,7 +556,7 @@ fn random_and_mutated_bodies_never_break_the_server() {
                 let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ (w + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
                 let mut seen = std::collections::BTreeMap::<u16, usize>::new();
                 let mut n = 0;
-                while n < max_cases / 3 && t0.elapsed() < budget {
+                while n < max_cases / 3 {
                     let base = &bases[r.below(bases.len())];
                     let body = mutate(&mut r, base);
                     let path = ["/v1/completions", "/v1/chat/completions"][r.below(2)];
@@ -588,7 +587,6 @@ fn random_and_mutated_bodies_never_break_the_server() {
         }
     }
     eprintln!("{total} bodies in {:.1}s: {seen:?}", t0.elapsed().as_secs_f64());
-    assert!(total >= 100, "only {total} bodies were sent");
     assert!(seen.get(&200).is_some_and(|&n| n > 0) && seen.get(&400).is_some_and(|&n| n > 0), "{seen:?}");
     // still healthy and still right
     assert_eq!(s.get("/health").0, 200);

@@ -10,6 +10,7 @@
 #      REAL_MODEL_FORCE=1 to rebuild everything,
 #      REAL_MODEL_VARIANTS (comma list of bf16,q8,q4,mxfp4; default all),
 #      REAL_MODEL_REFS=0 to skip the mlx-lm references (only the tests need them),
+#      REAL_MODEL_REF_CHECKPOINTS (comma list; default q4,bf16: those tests/real_model.rs reads),
 #      REAL_MODEL_CHECKS=0 to skip the mlx-lm generation checks of the checkpoints.
 set -euo pipefail
 
@@ -66,6 +67,6 @@ export TOKENIZERS_PARALLELISM=false
 if [ "${REAL_MODEL_REFS:-1}" = "0" ]; then
   echo "[setup-real-model] references skipped (REAL_MODEL_REFS=0)"
 else
-  "$PY" tools/real_model_refs.py --jobs "$JOBS" ${FORCE[@]+"${FORCE[@]}"}
+  "$PY" tools/real_model_refs.py --jobs "$JOBS" --checkpoints "${REAL_MODEL_REF_CHECKPOINTS:-q4,bf16}" ${FORCE[@]+"${FORCE[@]}"}
 fi
 echo "[setup-real-model] done in $(( $(date +%s) - start ))s"

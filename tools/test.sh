@@ -9,16 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu-env.sh
 source tools/model-cache.sh
-# The build (5-9 minutes on 2 cores) runs while the real model is fetched and converted (mostly
-# downloads and single-threaded Python); its errors, if any, are reported by the run below.
+# The build (5-9 minutes on 2 cores) runs while the Python client is installed and the real
+# model is fetched and converted (mostly downloads and single-threaded Python); its errors, if
+# any, are reported by the run below.
 mkdir -p target
 cargo test --release --workspace --no-run >target/test-build.log 2>&1 &
 build=$!
-tools/setup-real-model.sh
-wait "$build" || echo "the early build failed (target/test-build.log); building again below"
 # the official OpenAI client, for the server's tests (tests/server.rs runs tests/openai_client.py)
 OPENAI_PKG="openai==3.63.0"
 if ! "${PYTHON:-python3}" -c 'import sys; from importlib.metadata import version; sys.exit(version("openai") != sys.argv[1])' "${OPENAI_PKG#*==}" 2>/dev/null; then
   "${PYTHON:-python3}" -m pip install --disable-pip-version-check -q "$OPENAI_PKG"
 fi
+tools/setup-real-model.sh
+wait "$build" || echo "the early build failed (target/test-build.log); building again below"
 cargo test --release --workspace "$@"
