@@ -928,10 +928,27 @@ fn exercise_request(body: &[u8], limits: &[markbase::server::api::Limits], reach
 fn fuzz_server_requests() {
     let (tok, _dir) = load_tokenizer();
     let vocab = 512;
-    // the checkpoint's template with a short context, and Gemma's turns with a long one
+    // the engines whose towers encode the bodies' images and clips: a text-only fixture (media
+    // refused) and the Gemma 4 vision fixture with its audio tower (media encoded on the CPU)
+    let cpu = |name: &str| {
+        let opts = markbase::model::ModelOptions { device: markbase::model::DeviceKind::Cpu, max_context: 256, ..Default::default() };
+        markbase::engine::Engine::load(fixtures().join(name), opts).unwrap()
+    };
+    let (text, vlm) = (cpu("gemma3_text-q4"), cpu("vlm/gemma4"));
+    let vtok = vlm.tokenizer().unwrap();
+    let rate = markbase::audio::FeatureConfig::from_checkpoint(&fixtures().join("vlm/gemma4")).unwrap().sampling_rate;
+    // the checkpoint's template with a short context (text only), and Gemma's turns with a long
+    // one (the vision fixture's own tokenizer and vocabulary)
     let limits = [
-        markbase::server::api::Limits { tokenizer: &tok, chat_template: Some(GEMMA_TEMPLATE), max_context: 48, vocab },
-        markbase::server::api::Limits { tokenizer: &tok, chat_template: None, max_context: 4096, vocab },
+        markbase::server::api::Limits { tokenizer: &tok, chat_template: Some(GEMMA_TEMPLATE), max_context: 48, vocab, engine: &text, audio_rate: rate },
+        markbase::server::api::Limits {
+            tokenizer: vtok,
+            chat_template: None,
+            max_context: 4096,
+            vocab: vlm.config.vocab_size,
+            engine: &vlm,
+            audio_rate: rate,
+        },
     ];
     let reach = Reach::new(3);
     let seeds = corpus("server");
