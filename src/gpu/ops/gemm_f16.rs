@@ -44,16 +44,16 @@ impl Hilo {
 /// f16 alone moves small models' logits by up to 7e-3 of their largest), the weights as one f16
 /// where their values are f16's exactly (bf16 and f16 floats; MXFP4 and NVFP4: E2M1 codes times
 /// an E8M0 or E4M3 scale, NVFP4's global scale applied after the sum; affine codes of up to 4
-/// bits with bf16 scales, centred: see [`center`]), else as hi + lo too (MXFP8's E8M0 scales
+/// bits with bf16 scales over rows of `k` that allow it, centred: see [`center`]), else as hi + lo too (MXFP8's E8M0 scales
 /// reach past f16's range; wider affine codes times a scale need more than 11 bits: as one f16,
 /// a q8 fixture's logits move by 1.4e-3 of their largest). `MARKBASE_COOP_HILO` = `0` (none),
 /// `x` (activations only) or `1` (both) overrides it.
-pub fn hilo(fmt: GpuFormat) -> Hilo {
+pub fn hilo(fmt: GpuFormat, k: usize) -> Hilo {
     match std::env::var("MARKBASE_COOP_HILO").as_deref() {
         Ok("0") | Ok("off") => Hilo::Off,
         Ok("x") => Hilo::X,
         Ok("1") => Hilo::Both,
-        _ if center(fmt) => Hilo::X,
+        _ if center(fmt, k) => Hilo::X,
         _ => match fmt {
             GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. } => Hilo::X,
             _ => Hilo::Both,
@@ -67,15 +67,11 @@ pub fn hilo(fmt: GpuFormat) -> Hilo {
 /// group's sum of x, rides along as 2 K / group extra columns of K: the group sums on the
 /// activations' side (written by `row_scale.wgsl`), b + 2^(bits-1) s as hi and lo on the
 /// weights' side. All on the tensor cores, each weight one f16, about f32's error.
+/// Rows of `k` need whole octets and at most 1,024 groups (what `row_scale.wgsl` holds).
 /// `MARKBASE_COOP_CENTER=0` turns it off.
-pub fn center(fmt: GpuFormat) -> bool {
-    matches!(fmt, GpuFormat::Affine { bits, scale: FloatType::Bf16, .. } if bits <= 4)
+pub fn center(fmt: GpuFormat, k: usize) -> bool {
+    matches!(fmt, GpuFormat::Affine { bits, group, scale: FloatType::Bf16 } if bits <= 4 && k % 8 == 0 && k % group as usize == 0 && k / group as usize <= 1024)
         && !std::env::var("MARKBASE_COOP_CENTER").is_ok_and(|v| v == "0")
-}
-
-/// Whether `row_scale.wgsl` holds the group sums of rows of `k` (at most 1,024 groups).
-pub fn groups_fit(fmt: GpuFormat, k: usize) -> bool {
-    matches!(fmt, GpuFormat::Affine { group, .. } if k % group as usize == 0 && k / group as usize <= 1024)
 }
 
 /// The columns of the f16 activations of rows of `k` for the GEMM `spec`: `k`, plus two per

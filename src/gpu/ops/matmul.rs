@@ -415,8 +415,8 @@ impl Kernels {
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
             if self.opts.coop != CoopMode::Off && n.is_none_or(|n| gemm_f16::takes_f16(n, k, t)) {
-                let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt));
-                let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt) && k % 8 == 0 && gemm_f16::groups_fit(fmt, k);
+                let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt, k));
+                let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt, k);
                 let mt = gemm_f16::tile_mt(coop, hilo, n.unwrap_or(usize::MAX), t, self.limits.max_compute_workgroup_storage_size);
                 return Ok(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center });
             }
@@ -605,14 +605,6 @@ impl MatMulKernel {
     /// ([`MatMulKernel::bind_group_f16`]).
     pub fn is_f16(&self) -> bool {
         matches!(self.spec, KernelSpec::GemmF16 { .. })
-    }
-
-    /// The f16 GEMM's split of its inputs (`Hilo::Off` for other kernels).
-    pub fn hilo(&self) -> gemm_f16::Hilo {
-        match self.spec {
-            KernelSpec::GemmF16 { hilo, .. } => hilo,
-            _ => gemm_f16::Hilo::Off,
-        }
     }
 
     /// Bind group of the f16 GEMM: chunk `c` of `w`, the activations `x16` and their row scales
