@@ -90,7 +90,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
             }
             let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center }).unwrap();
             // centred weights are exact in f16: the activations' split alone bounds the error
-            let exact_w = center || matches!(fmt, GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. });
+            let exact_w = center || gemm_f16::values_in_f16(fmt);
             let bound = match hilo {
                 Hilo::Both => HILO_BOUND,
                 Hilo::X if exact_w => HILO_BOUND,

@@ -53,12 +53,15 @@ pub fn hilo(fmt: GpuFormat, k: usize) -> Hilo {
         Ok("0") | Ok("off") => Hilo::Off,
         Ok("x") => Hilo::X,
         Ok("1") => Hilo::Both,
-        _ if center(fmt, k) => Hilo::X,
-        _ => match fmt {
-            GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. } => Hilo::X,
-            _ => Hilo::Both,
-        },
+        _ if center(fmt, k) || values_in_f16(fmt) => Hilo::X,
+        _ => Hilo::Both,
     }
+}
+
+/// Whether every decoded weight of `fmt` is an f16 value exactly, as stored (bf16 and f16
+/// floats; MXFP4 and NVFP4: E2M1 codes times an E8M0 or E4M3 scale), without centring.
+pub fn values_in_f16(fmt: GpuFormat) -> bool {
+    matches!(fmt, GpuFormat::Float(FloatType::Bf16 | FloatType::F16) | GpuFormat::Mxfp4 | GpuFormat::Nvfp4 { .. })
 }
 
 /// Whether the f16 GEMM centres the affine weights of `fmt`: W = s q + b is staged as
