@@ -40,9 +40,15 @@ pub const KNOWN_PATHS: &[&str] = &["/v1/chat/completions", "/v1/completions", "/
 /// The options of `markbase serve`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
-    /// Model directory (MLX checkpoint with tokenizer.json).
+    /// Model directory (MLX checkpoint with tokenizer.json); with --synthetic, the directory
+    /// whose tokenizer (and chat template) the synthetic model uses.
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
+    /// Serve a synthetic model in real shapes with random 4-bit weights instead of the
+    /// checkpoint's (for measuring throughput; see `bench --synthetic` for the names): -m then
+    /// only gives the tokenizer, whose vocabulary must match the shape's.
+    #[arg(long)]
+    pub synthetic: Option<String>,
     /// Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -217,19 +223,26 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
         return Err("--api-key is empty".into());
     }
     let device = crate::cli::parse_device(a.backend.as_deref())?;
-    crate::engine::check_dir(&a.model).map_err(|e| e.to_string())?;
+    let synthetic = match &a.synthetic {
+        Some(name) => Some((name.clone(), crate::synthetic::config(name)?)),
+        None => None,
+    };
+    if a.synthetic.is_none() {
+        crate::engine::check_dir(&a.model).map_err(|e| e.to_string())?;
+    }
     if !a.model.join("tokenizer.json").is_file() {
         return Err(format!("{}: no such file (serving text needs the checkpoint's tokenizer)", a.model.join("tokenizer.json").display()));
     }
-    let max_context = match a.ctx_size {
-        Some(n) => n,
-        None => crate::cli::read_config(&a.model)?.max_position_embeddings.clamp(1, 4096),
+    let max_context = match (a.ctx_size, &synthetic) {
+        (Some(n), _) => n,
+        (None, Some((_, cfg))) => cfg.max_position_embeddings.clamp(1, 4096),
+        (None, None) => crate::cli::read_config(&a.model)?.max_position_embeddings.clamp(1, 4096),
     };
     let chat_template = match &a.chat_template {
         Some(p) => Some(std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?),
         None => None,
     };
-    let model = a.alias.clone().unwrap_or_else(|| {
+    let model = a.alias.clone().or_else(|| synthetic.as_ref().map(|(n, _)| n.clone())).unwrap_or_else(|| {
         let dir = std::fs::canonicalize(&a.model).unwrap_or_else(|_| a.model.clone());
         dir.file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned())
     });
@@ -249,11 +262,12 @@ async fn run(a: ServeArgs, app: Arc<App>, device: crate::engine::DeviceKind, max
     let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<Result<std::thread::JoinHandle<()>, String>>();
     let (app2, dir) = (app.clone(), a.model.clone());
     let (parallel, max_queue, chunk) = (a.parallel, a.max_queue, a.prefill_chunk);
+    let synthetic = a.synthetic.clone();
     let cpu_if_software_gpu = crate::cli::device_is_default(a.backend.as_deref());
     std::thread::spawn(move || {
         let t0 = std::time::Instant::now();
         let opts = ModelOptions { device, max_context, prefill_chunk: chunk, cpu_if_software_gpu, ..Default::default() };
-        let r = Engine::load(&dir, opts).map_err(|e| e.to_string()).and_then(|engine| {
+        let r = load(&dir, synthetic.as_deref(), opts).and_then(|engine| {
             if let Some(n) = engine.notice() {
                 eprintln!("note: {n}");
             }
@@ -319,6 +333,22 @@ async fn run(a: ServeArgs, app: Arc<App>, device: crate::engine::DeviceKind, max
     } else {
         Err(failed)
     }
+}
+
+/// The engine of a checkpoint directory, or of the synthetic shape `synthetic` (random 4-bit
+/// weights) with the tokenizer of `dir`.
+fn load(dir: &std::path::Path, synthetic: Option<&str>, opts: ModelOptions) -> Result<Arc<Engine>, String> {
+    let Some(name) = synthetic else {
+        return Engine::load(dir, opts).map_err(|e| e.to_string());
+    };
+    let t = std::time::Instant::now();
+    let (cfg, w) = crate::synthetic::model(name, markbase_graph::quant::QuantSpec::affine(4, 64))?;
+    eprintln!("synthetic {name}: {:.2} GB of weights generated in {:.1}s", w.stored_bytes() as f64 / 1e9, t.elapsed().as_secs_f64());
+    let tok = crate::tokenizer::Tokenizer::load(dir, cfg.bos_token_id, &cfg.eos_token_ids).map_err(|e| e.to_string())?;
+    if tok.vocab_size() > cfg.vocab_size {
+        return Err(format!("{}: the tokenizer has {} tokens, more than {name}'s {} embeddings", dir.display(), tok.vocab_size(), cfg.vocab_size));
+    }
+    Engine::from_parts(cfg, Arc::new(w), Some(tok), &opts).map_err(|e| e.to_string())
 }
 
 /// SIGTERM or Ctrl-C.
