@@ -51,6 +51,16 @@ fn towers_that_cannot_fit_are_refused_before_loading() {
         let e = load(dir, DeviceKind::Gpu(Some(markbase::gpu::device::Backend::Vulkan))).err().expect("a tower of petabytes loaded").to_string();
         assert!(e.contains(tower) && e.contains("limit"), "{e}");
     }
+    // `markbase encode`'s encoders check the same before reading a weight
+    use markbase::audio::encode::AudioEncoder;
+    use markbase::vision::encode::ImageEncoder;
+    for device in [DeviceKind::Cpu, DeviceKind::Gpu(Some(markbase::gpu::device::Backend::Vulkan))] {
+        assert!(ImageEncoder::open(&ok, device, None, false).is_ok() && AudioEncoder::open(&ok, device, false).is_ok(), "{device:?}");
+        let e = ImageEncoder::open(&wide_vision, device, None, false).err().expect("a vision tower of petabytes opened").to_string();
+        assert!(e.contains("gemma4 ViT vision tower at 10080 patches") && (e.contains("need more than") || e.contains("limit")), "{device:?}: {e}");
+        let e = AudioEncoder::open(&wide_audio, device, false).err().expect("an audio tower of petabytes opened").to_string();
+        assert!(e.contains("audio tower at a 30 s clip") && (e.contains("need more than") || e.contains("limit")), "{device:?}: {e}");
+    }
     for d in [ok, wide_vision, wide_audio] {
         let _ = std::fs::remove_dir_all(d);
     }

@@ -41,14 +41,15 @@ impl AudioEncoder {
         if fx.config().feature_size != ac.features {
             return Err(Error::Config(format!("the feature extractor makes {} mel bins, the audio tower takes {}", fx.config().feature_size, ac.features)));
         }
-        let r = cp.check_audio(&ac);
-        if r.has_errors() {
-            return Err(Error::Load(r.to_string()));
-        }
         // the weights are the same for every frame count: load them through a small graph
-        let g = cp.audio_tower_graph(&ac, 4)?;
-        let (weights, _) = cp.load_audio_tower(&g)?;
-        let runner = Runner::new(weights, device, check_nan)?;
+        let runner = Runner::open(&cp, "audio", device, check_nan, || {
+            let r = cp.check_audio(&ac);
+            if r.has_errors() {
+                return Err(Error::Load(r.to_string()));
+            }
+            let g = cp.audio_tower_graph(&ac, 4)?;
+            Ok(cp.load_audio_tower(&g)?.0)
+        })?;
         Ok(AudioEncoder { cp, ac, fx, runner, graphs: HashMap::new() })
     }
 

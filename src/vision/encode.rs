@@ -31,6 +31,27 @@ pub(crate) enum Runner {
 }
 
 impl Runner {
+    /// The tower of `cp` whose needs are named with `which` ("vision", "audio") onto `device`,
+    /// its memory checked first (its weights and the buffers of a run over its largest input
+    /// against the host's memory, or the adapter's binding and buffer limits), then its weights
+    /// loaded by `load`: a tower that cannot fit is refused before any weight is read.
+    pub(crate) fn open(cp: &Checkpoint, which: &str, device: DeviceKind, check_nan: bool, load: impl FnOnce() -> Result<Weights, Error>) -> Result<Runner, Error> {
+        let needs = crate::memory::Needs { towers: cp.tower_needs().into_iter().filter(|t| t.name.contains(which)).collect(), ..Default::default() };
+        Ok(match device {
+            DeviceKind::Cpu => {
+                needs.fit_host().map_err(Error::Device)?;
+                Runner::Cpu(CpuWeights::new(Arc::new(load()?)))
+            }
+            DeviceKind::Gpu(b) => {
+                use crate::gpu::device::{Gpu, GpuOptions};
+                let gpu = Gpu::with_options(&GpuOptions { backend: b, ..Default::default() }).map_err(|e| Error::Device(e.to_string()))?;
+                needs.fit_gpu(&gpu.info.name, gpu.limits(), u64::MAX, gpu.info.device_type == "cpu").map_err(Error::Device)?;
+                let shared = crate::gpu::runtime::GpuShared::with_gpu(gpu, &load()?, check_nan, None).map_err(Error::Device)?;
+                Runner::Gpu(Box::new(GpuExecutor::for_session(&shared)))
+            }
+        })
+    }
+
     pub(crate) fn new(weights: impl Into<Arc<Weights>>, device: DeviceKind, check_nan: bool) -> Result<Runner, Error> {
         let weights = weights.into();
         Ok(match device {
@@ -125,9 +146,10 @@ impl ImageEncoder {
             }
         };
         // the weights are the same for every grid: load them through the smallest graph
-        let g = cp.tower_graph(&vc, vc.pool, vc.pool)?;
-        let (weights, _) = cp.load_tower(&vc, &g)?;
-        let runner = Runner::new(weights, device, check_nan)?;
+        let runner = Runner::open(&cp, "vision", device, check_nan, || {
+            let g = cp.tower_graph(&vc, vc.pool, vc.pool)?;
+            Ok(cp.load_tower(&vc, &g)?.0)
+        })?;
         Ok(ImageEncoder { cp, vc, proc, runner, graphs: HashMap::new() })
     }
 
