@@ -168,6 +168,9 @@ fn gemm_f16_several_tiles_and_huge_activations() {
     // two row tiles and three token tiles, the last ones partial; vec4 and scalar activations
     case(&gpu, &ks, &mut r, q4, 200, 256, 130, 1, &[1.0, 3.0]);
     case(&gpu, &ks, &mut r, GpuFormat::Float(FloatType::Bf16), 131, 98, 70, 1, &[0.5]);
+    // centred groups of 32 with K = 352: a step of 64 holds the last weight columns and the
+    // centring's first ones
+    case(&gpu, &ks, &mut r, GpuFormat::Affine { bits: 4, group: 32, scale: FloatType::Bf16 }, 70, 352, 33, 1, &[1.0]);
     // Gemma's activations: rows at 1e5 and 1e6 beside ordinary ones (an unscaled f16 tile
     // would hold Inf)
     case(&gpu, &ks, &mut r, q4, 130, 512, 40, 2, &[2.0, 1e5, 7e5, 1e6]);
