@@ -32,10 +32,23 @@ const HILO_BOUND: f32 = 4e-6;
 const HILO_X_BOUND: f32 = 6e-4;
 
 /// The kernel variants checked: (split, results per subgroup along the tokens, vec4 buffers,
-/// centred affine weights); those whose workgroup memory exceeds the adapter's are left out, and
-/// the centred ones where the format has no centring.
-const VARIANTS: [(Hilo, u8, bool, bool); 6] =
-    [(Hilo::Both, 2, false, false), (Hilo::X, 4, false, false), (Hilo::Off, 4, true, false), (Hilo::Both, 2, true, false), (Hilo::X, 2, true, true), (Hilo::X, 4, true, true)];
+/// centred affine weights, K per step, double buffers); those whose workgroup memory exceeds the
+/// adapter's are left out, and the centred ones where the format has no centring.
+const VARIANTS: [(Hilo, u8, bool, bool, u8, bool); 13] = [
+    (Hilo::Both, 2, false, false, 32, false),
+    (Hilo::X, 4, false, false, 32, false),
+    (Hilo::Off, 4, true, false, 32, false),
+    (Hilo::Both, 2, true, false, 32, false),
+    (Hilo::X, 2, true, true, 32, false),
+    (Hilo::X, 4, true, true, 32, false),
+    (Hilo::X, 2, true, true, 64, false),
+    (Hilo::X, 2, true, true, 32, true),
+    (Hilo::Off, 2, true, false, 64, true),
+    (Hilo::Both, 2, false, false, 64, false),
+    (Hilo::Off, 2, true, false, 32, true),
+    (Hilo::Off, 4, true, false, 64, false),
+    (Hilo::Off, 4, false, false, 32, true),
+];
 
 fn kernels(gpu: &Gpu) -> Vec<(&'static str, Kernels, bool)> {
     let opts = |coop| KernelOptions { coop, ..KernelOptions::for_gpu(gpu) };
@@ -81,14 +94,14 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
         } else {
             assert!(matches!(chosen.spec, KernelSpec::Gemm { .. }), "{label}: a small weight takes the f32 GEMM, not {:?}", chosen.spec);
         }
-        for (hilo, mt, vs, center) in VARIANTS {
-            if gemm_f16::smem_bytes(*coop, hilo, mt) > gpu.limits().max_compute_workgroup_storage_size {
+        for (hilo, mt, vs, center, bk, db) in VARIANTS {
+            if gemm_f16::smem_bytes(*coop, hilo, mt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
             if center && !gemm_f16::center(fmt, k) {
                 continue;
             }
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center }).unwrap();
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk, db }).unwrap();
             // centred weights are exact in f16: the activations' split alone bounds the error
             let exact_w = center || gemm_f16::values_in_f16(fmt);
             let bound = match hilo {
@@ -113,7 +126,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
                 }
             });
             let got = gpu.read_f32(&y, t * n).unwrap();
-            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
+            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center} bk={bk} db={db}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
             let mut worst = (0usize, 0f32);
             for i in 0..t * n {
                 let e = (got[i] - want[i]).abs();
@@ -155,6 +168,9 @@ fn gemm_f16_several_tiles_and_huge_activations() {
     // two row tiles and three token tiles, the last ones partial; vec4 and scalar activations
     case(&gpu, &ks, &mut r, q4, 200, 256, 130, 1, &[1.0, 3.0]);
     case(&gpu, &ks, &mut r, GpuFormat::Float(FloatType::Bf16), 131, 98, 70, 1, &[0.5]);
+    // centred groups of 32 with K = 352: a step of 64 holds the last weight columns and the
+    // centring's first ones
+    case(&gpu, &ks, &mut r, GpuFormat::Affine { bits: 4, group: 32, scale: FloatType::Bf16 }, 70, 352, 33, 1, &[1.0]);
     // Gemma's activations: rows at 1e5 and 1e6 beside ordinary ones (an unscaled f16 tile
     // would hold Inf)
     case(&gpu, &ks, &mut r, q4, 130, 512, 40, 2, &[2.0, 1e5, 7e5, 1e6]);
@@ -166,8 +182,9 @@ fn gemm_f16_several_tiles_and_huge_activations() {
 /// Prefill GEMM throughput: `cargo test --release --test gemm_f16 -- --ignored throughput --nocapture`.
 /// Gemma 3 12B's prefill shapes (`[N, K]` of q, k/v, o, gate/up, down; affine 4-bit g64) at
 /// `MARKBASE_BENCH_T` tokens (default 512): the f32 GEMM and every f16 variant that fits the
-/// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs[:c]` items, e.g. `both:2:0,x:4:1:c`, `c` for
-/// centred weights), each GEMM
+/// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs[:flag...]` items, e.g. `both:2:0,x:4:1:c`,
+/// `x:2:1:c:k64:db`; flags in any order: `c` centred weights, `k64` steps of 64, `db` double
+/// buffers), each GEMM
 /// with its activations' pass, timed as one pass of `MARKBASE_BENCH_LAYERS` dispatch pairs
 /// (timestamps where the adapter has them), median of `MARKBASE_BENCH_ITERS`; TFLOP/s of
 /// 2 T N K.
@@ -180,7 +197,7 @@ fn throughput() {
     let t = envu("MARKBASE_BENCH_T", 512);
     let layers = envu("MARKBASE_BENCH_LAYERS", 8);
     let iters = envu("MARKBASE_BENCH_ITERS", 5);
-    let variants: Vec<(Hilo, u8, bool, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
+    let variants: Vec<(Hilo, u8, bool, bool, u8, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
         Ok(v) => v
             .split(',')
             .map(|s| {
@@ -190,17 +207,23 @@ fn throughput() {
                     "x" => Hilo::X,
                     _ => Hilo::Off,
                 };
-                (h, f[1].parse().unwrap(), f[2] == "1", f.get(3) == Some(&"c"))
+                let flag = |n: &str| f.iter().skip(3).any(|&x| x == n);
+                (h, f[1].parse().unwrap(), f[2] == "1", flag("c"), if flag("k64") { 64 } else { 32 }, flag("db"))
             })
             .collect(),
         Err(_) => vec![
-            (Hilo::Both, 2, false, false),
-            (Hilo::Off, 4, false, false),
-            (Hilo::Off, 4, true, false),
-            (Hilo::X, 4, true, false),
-            (Hilo::X, 2, true, false),
-            (Hilo::X, 4, true, true),
-            (Hilo::X, 2, true, true),
+            (Hilo::Both, 2, false, false, 32, false),
+            (Hilo::Off, 4, false, false, 32, false),
+            (Hilo::Off, 4, true, false, 32, false),
+            (Hilo::X, 4, true, false, 32, false),
+            (Hilo::X, 2, true, false, 32, false),
+            (Hilo::X, 4, true, true, 32, false),
+            (Hilo::X, 2, true, true, 32, false),
+            (Hilo::X, 2, true, true, 64, false),
+            (Hilo::X, 2, true, true, 32, true),
+            (Hilo::Off, 4, true, false, 64, false),
+            (Hilo::Off, 4, true, false, 32, true),
+            (Hilo::Off, 2, true, false, 64, false),
         ],
     };
     let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
@@ -222,11 +245,11 @@ fn throughput() {
         let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group(&gpu.device, &pb, &x, &y, None, w, 0)).collect();
         let sec = median_pass_seconds(&gpu, iters, |pass| bgs.iter().for_each(|bg| mm.dispatch(pass, bg, &d))) / layers as f64;
         println!("BENCH gemm T={t} N={n} K={k} {}: {:.1} us, {:.1} TFLOP/s", mm.kernel.name, sec * 1e6, flop / sec / 1e12);
-        for &(hilo, mt, vs, center) in &variants {
-            if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt) > gpu.limits().max_compute_workgroup_storage_size {
+        for &(hilo, mt, vs, center, bk, db) in &variants {
+            if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
-            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center }).unwrap();
+            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center, bk, db }).unwrap();
             let scales = gpu.storage("scales", (t * 4) as u64);
             let x16 = gpu.storage("x16", gemm_f16::x16_bytes(&mm.spec, t, k));
             let rk = kf16.row_scale(&mm, k).unwrap();

@@ -24,14 +24,14 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 
-// The f16 activations' padded shape: tokens to a multiple of 128 (any tile's), K to one of 32
-// (a step's).
+// The f16 activations' padded shape: tokens to a multiple of 128 (any tile's), K to one of 64
+// (any step's: 32 or 64).
 fn t_pad(T: u32) -> u32 {
     return (T + 127u) & ~127u;
 }
 
 fn k_pad(K: u32) -> u32 {
-    return (K + 31u) & ~31u;
+    return (K + 63u) & ~63u;
 }
 
 // f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler

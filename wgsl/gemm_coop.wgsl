@@ -11,10 +11,21 @@
 // parts, padded; written by row_scale.wgsl with the per-token scales s, binding 7), so that a
 // tile of them is a copy. A workgroup of 256 invocations (8 groups of 32, a subgroup each under
 // COOP) computes a tile of BT = 32 MT tokens x 128 rows; group g takes tokens 16 MT (g / 4) ..
-// + 16 MT and rows 32 (g % 4) .. + 32 as MT x 2 results of 16 x 16. K advances 32 at a time
-// through one workgroup-memory buffer per input: while the products of one step run, the next
-// step's weight words and activations are in flight in registers; they are decoded (weights),
-// converted and stored after the products (two barriers per step).
+// + 16 MT and rows 32 (g % 4) .. + 32 as MT x 2 results of 16 x 16. K advances BK (32 or 64) at
+// a time through workgroup-memory buffers, one per input: while the products of one step run,
+// the next step's weight words and activations are in flight in registers; they are decoded
+// (weights), converted and stored after the products (two barriers per step). BK = 64 stages
+// twice the columns per step (each loading invocation decodes four octets instead of two, copies
+// twice the vec4s), so that twice the products run between the barriers and the loads in flight
+// during them cover 64 columns.
+//
+// DB: two copies of each staging buffer, one barrier per step. Step s multiplies buffer s % 2;
+// before that, right after the step's barrier, step s + 1's values (loaded during step s - 1)
+// are stored into the other buffer and step s + 2's loads are issued. The barrier of step s
+// orders both ways: every group's reads of buffer (s + 1) % 2 (step s - 1's products) before
+// the stores into it, and step s's stores (made during step s - 1) before step s's products.
+// Each tile stages its step 0 into buffer 0 after a barrier of its own (the previous tile's last
+// products may still read it).
 //
 // Precision: x / s rounded to f16 alone moves a small model's logits by up to 8e-3 of their
 // largest, W rounded to f16 alone by about as much. HILO_X adds the products of x's lo parts,
@@ -44,32 +55,40 @@ enable wgpu_cooperative_matrix;
 
 const BT: u32 = 32u * MT;  // tokens per tile
 const BN: u32 = 128u;      // rows per tile
-const BK: u32 = 32u;       // K per step
+// BK: K per step (32 or 64), from the Rust side
 // f16 elements per staged row (COOP: padded by 8, so that a 16 x 16 load meets no bank twice)
 const LDS: u32 = BK + PAD;
-const XS: u32 = BT * LDS;  // the activation buffer: [token][k]
-const WS: u32 = BN * LDS;  // the weight buffer: [row][k]
-// vec4s of one token's step (8) that each loading invocation copies, and invocations per token
-const XPT: u32 = MT;
-const TPR: u32 = 8u / XPT;
+const XS: u32 = BT * LDS;  // an activation buffer: [token][k]
+const WS: u32 = BN * LDS;  // a weight buffer: [row][k]
+//#if DB
+const NB: u32 = 2u;        // copies of each buffer
+//#else
+const NB: u32 = 1u;
+//#endif
+// invocations per token of the activation loaders, and the vec4s of one token's step (BK / 4)
+// that each copies
+const TPR: u32 = 8u / MT;
+const XPT: u32 = BK / 4u / TPR;
+// octets of a weight row's step that each of its two loading invocations decodes
+const OPI: u32 = BK / 16u;
 
 //#if VS
-var<workgroup> xs: array<vec4<f16>, XS / 4u>;
-var<workgroup> ws: array<vec4<f16>, WS / 4u>;
+var<workgroup> xs: array<vec4<f16>, NB * XS / 4u>;
+var<workgroup> ws: array<vec4<f16>, NB * WS / 4u>;
 //#if HILO_X
-var<workgroup> xl: array<vec4<f16>, XS / 4u>;
+var<workgroup> xl: array<vec4<f16>, NB * XS / 4u>;
 //#endif
 //#if HILO_W
-var<workgroup> wl: array<vec4<f16>, WS / 4u>;
+var<workgroup> wl: array<vec4<f16>, NB * WS / 4u>;
 //#endif
 //#else
-var<workgroup> xs: array<f16, XS>;
-var<workgroup> ws: array<f16, WS>;
+var<workgroup> xs: array<f16, NB * XS>;
+var<workgroup> ws: array<f16, NB * WS>;
 //#if HILO_X
-var<workgroup> xl: array<f16, XS>;
+var<workgroup> xl: array<f16, NB * XS>;
 //#endif
 //#if HILO_W
-var<workgroup> wl: array<f16, WS>;
+var<workgroup> wl: array<f16, NB * WS>;
 //#endif
 //#endif
 
@@ -80,6 +99,9 @@ const STRIDE: u32 = LDS / 4u;
 //#else
 const STRIDE: u32 = LDS;
 //#endif
+// one buffer's length in its array's elements
+const XSB: u32 = XS / (LDS / STRIDE);
+const WSB: u32 = WS / (LDS / STRIDE);
 
 // each group's 16 x 16 result on its way out: [token][row]
 var<workgroup> cs: array<f32, 2048u>;
@@ -184,6 +206,102 @@ fn aug_oct(row: u32, j: u32, K: u32) -> Oct {
 }
 //#endif
 
+// One step's values on their way from memory to a buffer: the loader's weight words (OPI
+// octets of row wr) and activations (XPT vec4s of a token, hi and lo parts).
+struct Loads {
+    w: array<ROct, OPI>,
+    xh: array<vec4<f16>, XPT>,
+//#if HILO_X
+    xl: array<vec4<f16>, XPT>,
+//#endif
+}
+
+// Issues step s's loads: octets OPI lo .. + OPI of the step's BK / 8 of row wr (zeros where
+// !wload), vec4s of x16 from xr (the loader's first of step 0; lo parts from lo_off on).
+fn load_step(s: u32, wr: u32, wload: bool, lo: u32, K: u32, xr: u32, lo_off: u32) -> Loads {
+    var v: Loads;
+    for (var h = 0u; h < OPI; h++) {
+        v.w[h] = ROct(vec4<u32>(0u), vec4<u32>(0u));
+        if wload {
+            v.w[h] = oct_raw(wr, s * (BK / 8u) + OPI * lo + h, K);
+        }
+    }
+    for (var j = 0u; j < XPT; j++) {
+        v.xh[j] = x16[xr + (BK / 4u) * s + j];
+//#if HILO_X
+        v.xl[j] = x16[lo_off + xr + (BK / 4u) * s + j];
+//#endif
+    }
+    return v;
+}
+
+// Stores step s's values v (load_step) into buffer `buf`: the weights decoded (centred, split)
+// at row lr, octets OPI lo ..; the activations at token lt, vec4s lq ...
+fn store_step(v: Loads, s: u32, buf: u32, wr: u32, wload: bool, lr: u32, lo: u32, lt: u32, lq: u32, K: u32) {
+    let xb = buf * XS + lt * LDS + 4u * lq;
+    let wb = buf * WS + lr * LDS + 8u * OPI * lo;
+    for (var h = 0u; h < OPI; h++) {
+        let oi = s * (BK / 8u) + OPI * lo + h;
+//#if CENTER
+        // past K, the centring's columns (and zeros past them): a step may hold both
+        var d = Oct(vec4<f32>(0.0), vec4<f32>(0.0));
+        if oi * 8u >= K {
+            if wload {
+                d = aug_oct(wr, oi * 8u - K, K);
+            }
+        } else {
+            d = oct_center(v.w[h], wr, oi, K);
+        }
+//#else
+        let d = oct_dec(v.w[h], wr, oi, K);
+//#endif
+//#if HILO_W
+        let wha = hi4(d.a);
+        let whb = hi4(d.b);
+        let wla = vec4<f16>(d.a - wha);
+        let wlb = vec4<f16>(d.b - whb);
+//#else
+        let wha = d.a;
+        let whb = d.b;
+//#endif
+        let wa = vec4<f16>(wha);
+        let wbv = vec4<f16>(whb);
+        let o = wb + 8u * h;
+//#if VS
+        ws[o / 4u] = wa;
+        ws[o / 4u + 1u] = wbv;
+//#if HILO_W
+        wl[o / 4u] = wla;
+        wl[o / 4u + 1u] = wlb;
+//#endif
+//#else
+        for (var e = 0u; e < 4u; e++) {
+            ws[o + e] = wa[e];
+            ws[o + 4u + e] = wbv[e];
+//#if HILO_W
+            wl[o + e] = wla[e];
+            wl[o + 4u + e] = wlb[e];
+//#endif
+        }
+//#endif
+    }
+    for (var j = 0u; j < XPT; j++) {
+//#if VS
+        xs[xb / 4u + j] = v.xh[j];
+//#if HILO_X
+        xl[xb / 4u + j] = v.xl[j];
+//#endif
+//#else
+        for (var e = 0u; e < 4u; e++) {
+            xs[xb + 4u * j + e] = v.xh[j][e];
+//#if HILO_X
+            xl[xb + 4u * j + e] = v.xl[j][e];
+//#endif
+        }
+//#endif
+    }
+}
+
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -197,13 +315,13 @@ fn main(
     let l = lid % 32u;      // lane in the group
     let gt = 16u * MT * (g / 4u);  // the group's first token in the tile
     let gn = 32u * (g % 4u);       // its first row
-    // activation loader: token lt, vec4s lq .. lq + XPT of the step's eight
+    // activation loader: token lt, vec4s lq .. lq + XPT of the step's BK / 4
     let lt = lid / TPR;
     let lq = (lid % TPR) * XPT;
-    // weight loader: row lr, octets 2 lo and 2 lo + 1 of the step's four
+    // weight loader: row lr, octets OPI lo .. + OPI of the step's BK / 8
     let lr = lid / 2u;
     let lo = lid % 2u;
-    let nsteps = k_pad(k_aug(K)) / BK;
+    let nsteps = (k_aug(K) + BK - 1u) / BK;
     let ntt = (p.T + BT - 1u) / BT;
     let nrt = (p.rows + BN - 1u) / BN;
     let gsc = w_global(0u);
@@ -214,20 +332,7 @@ fn main(
             let r0 = rx * BN;
             let wr = r0 + lr;
             let wload = wr < p.rows;
-            var rw0 = ROct(vec4<u32>(0u), vec4<u32>(0u));
-            var rw1 = ROct(vec4<u32>(0u), vec4<u32>(0u));
-            if wload {
-                rw0 = oct_raw(wr, 2u * lo, K);
-                rw1 = oct_raw(wr, 2u * lo + 1u, K);
-            }
-            var rxh: array<vec4<f16>, 4>;
-            var rxl: array<vec4<f16>, 4>;
-            for (var j = 0u; j < XPT; j++) {
-                rxh[j] = x16[xr + j];
-//#if HILO_X
-                rxl[j] = x16[lo_off + xr + j];
-//#endif
-            }
+            var lv = load_step(0u, wr, wload, lo, K, xr, lo_off);
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
 //#repeat MT a
@@ -252,103 +357,49 @@ fn main(
                 acc[j] = 0.0;
             }
 //#endif
+//#if DB && !ABL_NOSTAGE
+            // step 0 into buffer 0, once the previous tile's products are done with it
+            workgroupBarrier();
+            store_step(lv, 0u, 0u, wr, wload, lr, lo, lt, lq, K);
+            if 1u < nsteps {
+                lv = load_step(1u, wr, wload, lo, K, xr, lo_off);
+            }
+//#endif
             for (var s = 0u; s < nsteps; s++) {
+//#if DB
+                // every group's products of step s - 1 (buffer (s + 1) % 2) are done, and the
+                // stores of step s (buffer s % 2) are seen
+                workgroupBarrier();
+//#if !ABL_NOSTAGE
+                // store step s + 1 (loaded during step s - 1), issue step s + 2's loads
+                if s + 1u < nsteps {
+                    store_step(lv, s + 1u, (s + 1u) % 2u, wr, wload, lr, lo, lt, lq, K);
+                    if s + 2u < nsteps {
+                        lv = load_step(s + 2u, wr, wload, lo, K, xr, lo_off);
+                    }
+                }
+//#endif
+//#else
                 // the previous step's (or tile's) reads of the buffers are done
                 workgroupBarrier();
 //#if !ABL_NOSTAGE
                 // store step s (loaded during step s - 1's products)
-                {
-                    let xb = lt * LDS + 4u * lq;
-                    let wb = lr * LDS + 16u * lo;
-                    for (var h = 0u; h < 2u; h++) {
-                        var d: Oct;
-                        let oi = s * 4u + 2u * lo + h;
-//#if CENTER
-                        if oi * 8u >= K {
-                            d = Oct(vec4<f32>(0.0), vec4<f32>(0.0));
-                            if wload {
-                                d = aug_oct(wr, oi * 8u - K, K);
-                            }
-                        } else if h == 0u {
-                            d = oct_center(rw0, wr, oi, K);
-                        } else {
-                            d = oct_center(rw1, wr, oi, K);
-                        }
-//#else
-                        if h == 0u {
-                            d = oct_dec(rw0, wr, oi, K);
-                        } else {
-                            d = oct_dec(rw1, wr, oi, K);
-                        }
-//#endif
-//#if HILO_W
-                        let wha = hi4(d.a);
-                        let whb = hi4(d.b);
-                        let wla = vec4<f16>(d.a - wha);
-                        let wlb = vec4<f16>(d.b - whb);
-//#else
-                        let wha = d.a;
-                        let whb = d.b;
-//#endif
-                        let wa = vec4<f16>(wha);
-                        let wbv = vec4<f16>(whb);
-                        let o = wb + 8u * h;
-//#if VS
-                        ws[o / 4u] = wa;
-                        ws[o / 4u + 1u] = wbv;
-//#if HILO_W
-                        wl[o / 4u] = wla;
-                        wl[o / 4u + 1u] = wlb;
-//#endif
-//#else
-                        for (var e = 0u; e < 4u; e++) {
-                            ws[o + e] = wa[e];
-                            ws[o + 4u + e] = wbv[e];
-//#if HILO_W
-                            wl[o + e] = wla[e];
-                            wl[o + 4u + e] = wlb[e];
-//#endif
-                        }
-//#endif
-                    }
-                    for (var j = 0u; j < XPT; j++) {
-//#if VS
-                        xs[xb / 4u + j] = rxh[j];
-//#if HILO_X
-                        xl[xb / 4u + j] = rxl[j];
-//#endif
-//#else
-                        for (var e = 0u; e < 4u; e++) {
-                            xs[xb + 4u * j + e] = rxh[j][e];
-//#if HILO_X
-                            xl[xb + 4u * j + e] = rxl[j][e];
-//#endif
-                        }
-//#endif
-                    }
-                }
+                store_step(lv, s, 0u, wr, wload, lr, lo, lt, lq, K);
 //#endif
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
 //#if !ABL_NOSTAGE
                 if s + 1u < nsteps {
-                    if wload {
-                        rw0 = oct_raw(wr, (s + 1u) * 4u + 2u * lo, K);
-                        rw1 = oct_raw(wr, (s + 1u) * 4u + 2u * lo + 1u, K);
-                    }
-                    for (var j = 0u; j < XPT; j++) {
-                        rxh[j] = x16[xr + 8u * (s + 1u) + j];
-//#if HILO_X
-                        rxl[j] = x16[lo_off + xr + 8u * (s + 1u) + j];
-//#endif
-                    }
+                    lv = load_step(s + 1u, wr, wload, lo, K, xr, lo_off);
                 }
 //#endif
+//#endif
+                let buf = s % NB;  // the buffer step s's products read
 //#if COOP && M8
                 for (var kk = 0u; kk < BK; kk += 8u) {
                     let ld = STRIDE;
-                    let ia = (gt * LDS + kk) / (LDS / STRIDE);
-                    let ib = (gn * LDS + kk) / (LDS / STRIDE);
+                    let ia = buf * XSB + (gt * LDS + kk) / (LDS / STRIDE);
+                    let ib = buf * WSB + (gn * LDS + kk) / (LDS / STRIDE);
 //#repeat MT a
 //#repeat 2 i
                     let a$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xs[ia + (16u * $au + 8u * $iu) * ld], ld);
@@ -404,8 +455,8 @@ fn main(
 //#elif COOP
                 for (var kk = 0u; kk < BK / ABL_SPLIT; kk += 16u) {
                     let ld = STRIDE;
-                    let ia = (gt * LDS + kk) / (LDS / STRIDE);
-                    let ib = (gn * LDS + kk) / (LDS / STRIDE);
+                    let ia = buf * XSB + (gt * LDS + kk) / (LDS / STRIDE);
+                    let ib = buf * WSB + (gn * LDS + kk) / (LDS / STRIDE);
 //#repeat MT a
                     let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia + 16u * $au * ld], ld);
 //#endrepeat
@@ -441,13 +492,13 @@ fn main(
 //#else
                 for (var k = 0u; k < BK; k++) {
                     for (var a = 0u; a < MT; a++) {
-                        let ix = (gt + 16u * a + l / 2u) * LDS + k;
+                        let ix = buf * XS + (gt + 16u * a + l / 2u) * LDS + k;
                         let xa = xs_at(ix);
 //#if HILO_X
                         let xla = xl_at(ix);
 //#endif
                         for (var b = 0u; b < 2u; b++) {
-                            let wb = (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
+                            let wb = buf * WS + (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
                             for (var j = 0u; j < 8u; j++) {
                                 let q = 8u * (2u * a + b) + j;
                                 let wh = ws_at(wb + j * LDS);

@@ -3,7 +3,7 @@
 // s[t] is the smallest power of two that brings max_k |x[t, k]| to at most 2^15, or 1 where it
 // already is (or where x holds an Inf or NaN, which then reaches y as it would in f32). Powers of
 // two keep x / s exact. x16 then holds x / s rounded to f16 (hi), and with HILO_X the rest,
-// f16(x / s - hi) (lo), in rows padded to t_pad(T) tokens and k_pad(K) elements with zeros, so
+// f16(x / s - hi) (lo), in rows padded to t_pad(T) tokens and k_pad(K) elements (64s) with zeros, so
 // that the GEMM's tiles load them without bounds.
 //
 // One workgroup per token (a grid-stride loop over the padded tokens). Bindings: 0 params

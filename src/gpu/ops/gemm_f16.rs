@@ -86,13 +86,14 @@ pub fn k_aug(spec: &KernelSpec, k: usize) -> usize {
     }
 }
 
-/// Workgroup memory (bytes) of the f16 GEMM with `mt` results per subgroup along the tokens.
-pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8) -> u32 {
-    let lds = 32 + if coop { 8 } else { 0 };
+/// Workgroup memory (bytes) of the f16 GEMM with `mt` results per subgroup along the tokens,
+/// steps of `bk` (32 or 64) and with `db` two copies of each staging buffer.
+pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8, bk: u8, db: bool) -> u32 {
+    let lds = bk as u32 + if coop { 8 } else { 0 };
     let xs = 32 * mt as u32 * lds;
     let ws = TILE_N as u32 * lds;
     let f16s = xs * (1 + hilo.x() as u32) + ws * (1 + hilo.w() as u32);
-    2 * f16s + if coop { 2048 * 4 } else { 0 }
+    2 * f16s * (1 + db as u32) + if coop { 2048 * 4 } else { 0 }
 }
 
 /// Results per subgroup along the tokens for `rows` x `t` (`MARKBASE_COOP_MT` sets it): 4 (tiles
@@ -100,13 +101,23 @@ pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8) -> u32 {
 /// H200, pp512, activations split: 128 tiles (N = 4096) 41.5 -> 47.6 TFLOP/s with 128 tokens,
 /// 64 tiles (N = 2048) 40.9 -> 24.7.
 pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> u8 {
-    let fits = smem_bytes(coop, hilo, 4) <= smem_limit;
+    let fits = smem_bytes(coop, hilo, 4, 32, false) <= smem_limit;
     match std::env::var("MARKBASE_COOP_MT").ok().and_then(|v| v.parse::<u8>().ok()) {
         Some(4) if fits => 4,
         Some(_) => 2,
         None if fits && div_ceil(rows, TILE_N) * div_ceil(t, 128) >= 96 => 4,
         None => 2,
     }
+}
+
+/// The staging of the f16 GEMM with `mt` ([`tile_mt`]): K per step and whether its buffers are
+/// double ([`KernelSpec::GemmF16`]'s `bk`, `db`). 32 and single by default; `MARKBASE_COOP_BK=64`
+/// and `MARKBASE_COOP_DB=1` take them where the workgroup memory allows (steps of 64 first), else
+/// the default.
+pub fn staging(coop: bool, hilo: Hilo, mt: u8, smem_limit: u32) -> (u8, bool) {
+    let fits = |bk, db| smem_bytes(coop, hilo, mt, bk, db) <= smem_limit;
+    let bk = if std::env::var("MARKBASE_COOP_BK").is_ok_and(|v| v == "64") && fits(64, false) { 64 } else { 32 };
+    (bk, std::env::var("MARKBASE_COOP_DB").is_ok_and(|v| v == "1") && fits(bk, true))
 }
 
 /// Whether the f16 GEMM's workgroup buffers hold vec4<f16>: where only the activations are
@@ -121,10 +132,11 @@ pub fn vs(hilo: Hilo) -> bool {
 }
 
 /// Bytes of the f16 activations of `t` tokens of `k` elements for the GEMM `spec` (hi, and lo
-/// where it splits them; [`k_aug`] columns), padded as `row_scale.wgsl` writes them.
+/// where it splits them; [`k_aug`] columns), padded as `row_scale.wgsl` writes them (tokens to
+/// 128, columns to 64).
 pub fn x16_bytes(spec: &KernelSpec, t: usize, k: usize) -> u64 {
     let lo = matches!(spec, KernelSpec::GemmF16 { hilo, .. } if hilo.x());
-    (t.div_ceil(128).max(1) * 128 * k_aug(spec, k).div_ceil(32) * 32 * 2 * (1 + lo as usize)) as u64
+    (t.div_ceil(128).max(1) * 128 * k_aug(spec, k).div_ceil(64) * 64 * 2 * (1 + lo as usize)) as u64
 }
 
 /// Weights of fewer elements take the f32 GEMM even where the f16 one is on: on small weights
@@ -206,8 +218,8 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center } => format!(
-            "gemm_f16[{}{}{}{}{}{}]",
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db } => format!(
+            "gemm_f16[{}{}{}{}{}{}{}{}]",
             fmt.describe(),
             match (*coop, *m8) {
                 (true, true) => " coop8x8",
@@ -221,7 +233,9 @@ fn name(spec: &KernelSpec) -> Option<String> {
             },
             if *mt == 4 { " t128" } else { " t64" },
             if *vs { " vs" } else { "" },
-            if *center { " centred" } else { "" }
+            if *center { " centred" } else { "" },
+            if *bk == 64 { " k64" } else { "" },
+            if *db { " db" } else { "" }
         ),
         KernelSpec::RowScale { xvec, lo, aug } => format!(
             "row_scale[{}{}{}]",
@@ -235,11 +249,13 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center } => {
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db } => {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP])
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
+                .c("BK", bk as u32)
+                .flag("DB", db)
                 .flag("X16", true)
                 .flag("COOP", coop)
                 .flag("M8", coop && m8)
@@ -271,12 +287,26 @@ fn variants() -> Vec<KernelSpec> {
     }
     for fmt in all_formats() {
         for (coop, m8) in [(false, false), (true, false), (true, true)] {
+            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db };
             for (hilo, mt, vs) in [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true)] {
-                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center: false });
+                v.push(spec(hilo, mt, vs, false, 32, false));
             }
+            let centred = matches!(fmt, GpuFormat::Affine { bits, scale: FloatType::Bf16, .. } if bits <= 4);
             if matches!(fmt, GpuFormat::Affine { .. }) {
                 for mt in [2, 4] {
-                    v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: Hilo::X, mt, vs: true, center: true });
+                    v.push(spec(Hilo::X, mt, true, true, 32, false));
+                }
+            }
+            // the staging options ([`staging`]) where they fit 48 KiB: for the format's split with
+            // tiles of 64 tokens ([`hilo`], [`vs`]); without a split (the same staging for every
+            // format) for 4-bit affine weights only
+            let split = if centred || values_in_f16(fmt) { Hilo::X } else { Hilo::Both };
+            let q4 = fmt == GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
+            for (hilo, mt, center) in [(split, 2, centred), (Hilo::Off, 2, false), (Hilo::Off, 4, false)] {
+                for (bk, db) in [(64, false), (32, true), (64, true)] {
+                    if (hilo != Hilo::Off || q4) && smem_bytes(coop, hilo, mt, bk, db) <= 48 << 10 {
+                        v.push(spec(hilo, mt, hilo == Hilo::X || hilo == Hilo::Off, center, bk, db));
+                    }
                 }
             }
         }

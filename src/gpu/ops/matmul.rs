@@ -418,7 +418,8 @@ impl Kernels {
                 let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt, k));
                 let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt, k);
                 let mt = gemm_f16::tile_mt(coop, hilo, n.unwrap_or(usize::MAX), t, self.limits.max_compute_workgroup_storage_size);
-                return Ok(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center });
+                let (bk, db) = gemm_f16::staging(coop, hilo, mt, self.limits.max_compute_workgroup_storage_size);
+                return Ok(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db });
             }
             let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
             KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
