@@ -316,13 +316,30 @@ impl Engine {
     /// The soft tokens of `img` from the checkpoint's vision tower, on the engine's device
     /// (the tower is loaded on first use).
     pub fn encode_image(&self, img: &RgbImage) -> Result<SoftTokens, Error> {
+        self.encode_image_with_budget(img, None)
+    }
+
+    /// [`Engine::encode_image`] with Gemma 4's soft-token budget for this image (70, 140,
+    /// 280, 560 or 1120; `None`: the checkpoint's); Gemma 3's SigLIP makes 256 whatever it is.
+    pub fn encode_image_with_budget(&self, img: &RgbImage, budget: Option<usize>) -> Result<SoftTokens, Error> {
+        self.with_image_encoder(|e| e.encode_with_budget(img, budget))
+    }
+
+    /// `f` on the image encoder, opened on first use.
+    fn with_image_encoder<T>(&self, f: impl FnOnce(&mut ImageEncoder) -> Result<T, Error>) -> Result<T, Error> {
         self.vision_or_err()?;
         let dir = self.dir.as_ref().ok_or_else(|| Error::Input("this model was not loaded from a checkpoint: it takes no images".into()))?;
         let mut enc = self.encoder.lock().map_err(|_| Error::Device("the engine's image encoder is poisoned".into()))?;
         if enc.is_none() {
             *enc = Some(ImageEncoder::open(dir, self.device_kind, None, self.check_nan)?);
         }
-        enc.as_mut().map(|e| e.encode(img)).unwrap_or_else(|| Err(Error::Device("no image encoder".into())))
+        enc.as_mut().map(f).unwrap_or_else(|| Err(Error::Device("no image encoder".into())))
+    }
+
+    /// How many soft tokens [`Engine::encode_image_with_budget`] makes of `img`, without
+    /// running the tower (it is loaded if it was not).
+    pub fn image_soft_tokens(&self, img: &RgbImage, budget: Option<usize>) -> Result<usize, Error> {
+        self.with_image_encoder(|e| e.soft_tokens(img, budget))
     }
 
     /// The checkpoint directory the engine was loaded from.

@@ -353,6 +353,7 @@ fn chat_prompt(messages: &[ChatMessage], lim: &Limits) -> Result<(Vec<u32>, Vec<
     if media.is_empty() {
         return Ok((lim.tokenizer.encode(&text, true).map_err(|e| ApiError::bad(e.to_string()))?, vec![]));
     }
+    media::fit_context(lim.engine, &media, lim.max_context)?;
     let soft = media::encode(lim.engine, &media)?;
     let p = rendered_chat_prompt(lim.engine, &msgs, &text, soft).map_err(media::api_error)?;
     // the steps it is fed in: an image that attends to itself fits one prefill step

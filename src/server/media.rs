@@ -21,7 +21,8 @@ const MAX_CLIP_SECONDS: f64 = 60.0;
 
 /// An image or a clip of a request, decoded.
 pub enum Media {
-    Image(RgbImage),
+    /// An image and, from its `detail`, Gemma 4's soft-token budget for it.
+    Image(RgbImage, Option<usize>),
     /// Mono samples at the feature extractor's rate.
     Audio(Vec<f32>),
 }
@@ -46,14 +47,35 @@ fn base64(data: &str, i: usize, what: &str) -> Result<Vec<u8>, ApiError> {
     base64::decode(&data).map_err(|e| bad(i, format!("the {what} is not valid base64 ({e})")))
 }
 
-/// The image of an `image_url` part (`{"url": "data:image/png;base64,..."}`, or the URL alone).
+/// Gemma 4's soft-token budget for an `image_url` part's `detail`: `low` the smallest (70),
+/// `high` the largest (1,120), `auto` (or none) the checkpoint's. Gemma 3's SigLIP makes 256
+/// soft tokens per image whatever the detail.
+pub fn detail_budget(detail: Option<&Value>, i: usize) -> Result<Option<usize>, ApiError> {
+    use crate::vision::processor::GEMMA4_BUDGETS;
+    match detail {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(d)) => match d.as_str() {
+            "auto" => Ok(None),
+            "low" => Ok(GEMMA4_BUDGETS.first().copied()),
+            "high" => Ok(GEMMA4_BUDGETS.last().copied()),
+            d => Err(bad(i, format!("image_url.detail {d:?} is not one of \"low\", \"high\" or \"auto\""))),
+        },
+        Some(_) => Err(bad(i, "image_url.detail must be a string (\"low\", \"high\" or \"auto\")")),
+    }
+}
+
+/// The image of an `image_url` part (`{"url": "data:image/png;base64,...", "detail": "low"}`,
+/// or the URL alone).
 pub fn image(part: Option<&Value>, i: usize, engine: &Engine) -> Result<Media, ApiError> {
     if engine.vision_config().is_none() {
         return Err(bad(i, "this model has no vision tower: it takes no images"));
     }
-    let url = match part {
-        Some(Value::String(u)) => u.as_str(),
-        Some(Value::Object(o)) => o.get("url").and_then(|u| u.as_str()).ok_or_else(|| bad(i, "an image_url part needs image_url.url (a data URL)"))?,
+    let (url, budget) = match part {
+        Some(Value::String(u)) => (u.as_str(), None),
+        Some(Value::Object(o)) => (
+            o.get("url").and_then(|u| u.as_str()).ok_or_else(|| bad(i, "an image_url part needs image_url.url (a data URL)"))?,
+            detail_budget(o.get("detail"), i)?,
+        ),
         _ => return Err(bad(i, "an image_url part needs image_url: {\"url\": \"data:image/png;base64,...\"}")),
     };
     let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
@@ -73,7 +95,7 @@ pub fn image(part: Option<&Value>, i: usize, engine: &Engine) -> Result<Media, A
         return Err(bad(i, format!("unsupported image type {mime:?} (image/png, image/jpeg and image/webp are)")));
     }
     let bytes = base64(data, i, "image data")?;
-    decode_image(&bytes).map(Media::Image).map_err(|e| bad(i, e))
+    decode_image(&bytes).map(|img| Media::Image(img, budget)).map_err(|e| bad(i, e))
 }
 
 /// The clip of an `input_audio` part (`{"data": "<base64>", "format": "wav"}`), at `rate` Hz.
@@ -94,13 +116,34 @@ pub fn audio(part: Option<&Value>, i: usize, engine: &Engine, rate: u32) -> Resu
     Ok(Media::Audio(clip))
 }
 
+/// Refuses, before any tower runs, a request whose images alone make more soft tokens than
+/// the context holds (a large budget, or many images).
+pub fn fit_context(engine: &Engine, media: &[Media], max_context: usize) -> Result<(), ApiError> {
+    let mut total = 0usize;
+    for m in media {
+        if let Media::Image(img, budget) = m {
+            total += engine.image_soft_tokens(img, *budget).map_err(api_error)?;
+        }
+    }
+    if total > max_context {
+        return Err(ApiError::status(
+            axum::http::StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "context_length_exceeded",
+            format!("the images make {total} soft tokens, more than this server's context of {max_context} tokens (--ctx-size): send fewer images or image_url.detail \"low\""),
+        )
+        .param("messages"));
+    }
+    Ok(())
+}
+
 /// The soft tokens of each image and clip, in order (the towers run here, one request's at a
 /// time: the engine holds each tower behind a lock).
 pub fn encode(engine: &Engine, media: &[Media]) -> Result<Vec<SoftTokens>, ApiError> {
     media
         .iter()
         .map(|m| match m {
-            Media::Image(img) => engine.encode_image(img),
+            Media::Image(img, budget) => engine.encode_image_with_budget(img, *budget),
             Media::Audio(clip) => engine.encode_audio(clip),
         })
         .map(|r| r.map_err(api_error))

@@ -124,6 +124,8 @@ pub struct ImageEncoder {
     cp: Checkpoint,
     vc: VisionConfig,
     proc: Processor,
+    /// The checkpoint's processor config (other budgets' processors are made from it).
+    pc: Option<serde_json::Value>,
     runner: Runner,
     /// Compiled tower graphs by patch grid.
     graphs: HashMap<(usize, usize), Compiled>,
@@ -150,7 +152,7 @@ impl ImageEncoder {
             let g = cp.tower_graph(&vc, vc.pool, vc.pool)?;
             Ok(cp.load_tower(&vc, &g)?.0)
         })?;
-        Ok(ImageEncoder { cp, vc, proc, runner, graphs: HashMap::new() })
+        Ok(ImageEncoder { cp, vc, proc, pc, runner, graphs: HashMap::new() })
     }
 
     pub fn vision_config(&self) -> &VisionConfig {
@@ -160,10 +162,34 @@ impl ImageEncoder {
     /// The soft tokens of `img` (Gemma 3 with pan-and-scan: the whole image's, then each
     /// crop's, one after the other).
     pub fn encode(&mut self, img: &RgbImage) -> Result<SoftTokens, Error> {
+        self.encode_with_budget(img, None)
+    }
+
+    /// Gemma 4's processor for `budget` (`None`: the encoder's own).
+    fn gemma4_processor(&self, budget: Option<usize>) -> Result<Option<Gemma4Processor>, Error> {
+        match (&self.proc, budget) {
+            (Processor::Gemma4(p), Some(b)) if b != p.max_soft_tokens => Gemma4Processor::from_config(self.pc.as_ref(), Some(b)).map(Some).map_err(Error::Input),
+            _ => Ok(None),
+        }
+    }
+
+    /// How many soft tokens [`ImageEncoder::encode_with_budget`] makes of `img`, without
+    /// running the tower.
+    pub fn soft_tokens(&self, img: &RgbImage, budget: Option<usize>) -> Result<usize, Error> {
+        match &self.proc {
+            Processor::Gemma4(p) => self.gemma4_processor(budget)?.as_ref().unwrap_or(p).soft_tokens(img.height, img.width).map_err(Error::Input),
+            Processor::Gemma3(p) => Ok(self.vc.tokens_per_image * (1 + p.pan_and_scan.map_or(0, |ps| super::processor::pan_and_scan_crops(img, &ps).len()))),
+        }
+    }
+
+    /// [`ImageEncoder::encode`] with Gemma 4's soft-token budget for this image (`None`: the
+    /// encoder's); Gemma 3 makes its fixed count whatever the budget.
+    pub fn encode_with_budget(&mut self, img: &RgbImage, budget: Option<usize>) -> Result<SoftTokens, Error> {
         let mut inputs = vec![];
         match &self.proc {
             Processor::Gemma4(p) => {
-                let pi = p.process(img).map_err(Error::Input)?;
+                let other = self.gemma4_processor(budget)?;
+                let pi = other.as_ref().unwrap_or(p).process(img).map_err(Error::Input)?;
                 let (pixels, px, py) = pi.tower_input();
                 inputs.push(((pi.rows, pi.cols), pixels, px, py));
             }

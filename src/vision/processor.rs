@@ -336,6 +336,13 @@ impl Gemma4Processor {
         Ok((th, tw))
     }
 
+    /// The soft tokens an `h x w` image makes (what [`Gemma4Processor::process`] would count,
+    /// without resizing it).
+    pub fn soft_tokens(&self, h: usize, w: usize) -> Result<usize, String> {
+        let (th, tw) = self.target_size(h, w)?;
+        Ok((th / self.patch) * (tw / self.patch) / (self.pool * self.pool))
+    }
+
     pub fn process(&self, img: &RgbImage) -> Result<PatchedImage, String> {
         let (th, tw) = self.target_size(img.height, img.width)?;
         let resized = resize(img, tw, th, self.filter);

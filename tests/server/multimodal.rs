@@ -223,6 +223,61 @@ fn gemma4_images_and_audio_in_chat_match_the_library() {
     assert_eq!(got, answers[0].0);
 }
 
+/// `image_url.detail`: Gemma 4's soft-token budget per image (`low` 70, `high` 1,120, `auto`
+/// or none the checkpoint's, here 280); the prompt holds as many soft tokens as the library's
+/// encoder makes at that budget; any other detail is a 400.
+#[test]
+fn gemma4_image_detail_sets_the_soft_token_budget() {
+    // the fixture with a budget of 280 (its own is 70, the smallest)
+    let dir = std::env::temp_dir().join(format!("markbase-detail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(root().join(VLM4)).unwrap().map(Result::unwrap).filter(|e| e.path().is_file()) {
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let pc = dir.join("preprocessor_config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&pc).unwrap()).unwrap();
+    v["max_soft_tokens"] = json!(280);
+    std::fs::write(&pc, v.to_string()).unwrap();
+    let s = Server::start_model(dir.to_str().unwrap(), &["--backend", "cpu", "--parallel", "1", "--ctx-size", "1024"]);
+    let sq = "tests/fixtures/vlm/gemma4/square.png";
+    let img = load_image(&root().join(sq)).unwrap();
+    let tokens = |budget: Option<usize>| {
+        use markbase::vision::processor::{read_processor_config, Gemma4Processor};
+        let p = Gemma4Processor::from_config(read_processor_config(&dir).unwrap().as_ref(), budget).unwrap();
+        p.process(&img).unwrap().soft_tokens as i64
+    };
+    let prompt_tokens = |detail: Option<&str>| {
+        let mut part = image_part(sq);
+        if let Some(d) = detail {
+            part["image_url"]["detail"] = json!(d);
+        }
+        let (code, v) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": [part, text_part(TEXT)]}], "max_tokens": 2}));
+        assert_eq!(code, 200, "{detail:?}: {v}");
+        v["usage"]["prompt_tokens"].as_i64().unwrap()
+    };
+    let none = prompt_tokens(None);
+    let (default, low, high) = (tokens(None), tokens(Some(70)), tokens(Some(1120)));
+    assert!(default > 2 * low && high > 2 * default, "{low} {default} {high}");
+    assert_eq!(prompt_tokens(Some("auto")), none);
+    assert_eq!(prompt_tokens(Some("low")) - none, low - default);
+    // 1,120 soft tokens do not fit the context of 1,024: refused before the tower runs
+    assert!(high > 1024);
+    let mut part = image_part(sq);
+    part["image_url"]["detail"] = json!("high");
+    let (code, v) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": [part, text_part(TEXT)]}], "max_tokens": 2}));
+    assert_eq!(code, 400, "{v}");
+    assert!(error_message(&v).contains(&format!("images make {high} soft tokens")), "{v}");
+    for (detail, words) in [(json!("ultra"), "is not one of"), (json!(3), "must be a string")] {
+        let mut part = image_part(sq);
+        part["image_url"]["detail"] = detail;
+        let (code, v) = s.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": [part, text_part(TEXT)]}], "max_tokens": 2}));
+        assert_eq!(code, 400, "{words}: {v}");
+        assert!(error_message(&v).contains(words), "{words}: {v}");
+    }
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_images_are_refused_with_clear_errors() {
     let s = Server::start_model(VLM3, &["--backend", "cpu", "--parallel", "1", "--ctx-size", "36"]);
