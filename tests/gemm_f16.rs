@@ -11,9 +11,12 @@
 //! (the default), 4e-6 of the same sum (observed: 8.5e-7 at most).
 //! The tests FAIL (never skip) when no adapter is found.
 
+#[path = "common/f16_gemm.rs"]
+mod f16_gemm;
 #[path = "common/kernel_data.rs"]
 mod kernel_data;
 
+use f16_gemm::{kernels, worst};
 use kernel_data::*;
 use markbase::cpu::ops as cpu;
 use markbase::gpu::device::Gpu;
@@ -23,13 +26,6 @@ use markbase::gpu::weights::{upload_weight, GpuFormat};
 use markbase::graph::quant::FloatType;
 use rand::rngs::StdRng;
 use rand::Rng;
-
-/// One f16 rounding per input (see the module doc).
-const BOUND: f32 = 1.2e-3;
-/// Inputs as hi + lo f16 pairs: about f32 precision (the FMA twin on lavapipe: 8.5e-7 at most).
-const HILO_BOUND: f32 = 4e-6;
-/// Activations as hi + lo, weights as one f16: half of [`BOUND`]'s rounding.
-const HILO_X_BOUND: f32 = 6e-4;
 
 /// The kernel variants checked: (split, results per subgroup along the tokens, vec4 buffers,
 /// centred affine weights, K per step, double buffers); those whose workgroup memory exceeds the
@@ -49,18 +45,6 @@ const VARIANTS: [(Hilo, u8, bool, bool, u8, bool); 13] = [
     (Hilo::Off, 4, true, false, 64, false),
     (Hilo::Off, 4, false, false, 32, true),
 ];
-
-fn kernels(gpu: &Gpu) -> Vec<(&'static str, Kernels, bool)> {
-    let opts = |coop| KernelOptions { coop, ..KernelOptions::for_gpu(gpu) };
-    assert!(gpu.info.shader_f16, "the f16 GEMM needs SHADER_F16: {}", gpu.info.summary());
-    let mut v = vec![("fma", Kernels::new(gpu, opts(CoopMode::Fma)).unwrap(), false)];
-    if gpu.info.coop_f16_16 {
-        v.push(("coop", Kernels::new(gpu, opts(CoopMode::Tensor)).unwrap(), true));
-    } else {
-        println!("adapter has no 16x16x16 f16 cooperative matrices: the FMA twin only");
-    }
-    v
-}
 
 /// One case: W `[n, k]` of `fmt` in about `nchunks` chunks, `t` tokens whose rows have their
 /// largest |x| at `amps[t % amps.len()]`.
@@ -101,15 +85,10 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
             if center && !gemm_f16::center(fmt, k) {
                 continue;
             }
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk, db }).unwrap();
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk, db, grouped: false }).unwrap();
             // centred weights are exact in f16: the activations' split alone bounds the error
             let exact_w = center || gemm_f16::values_in_f16(fmt);
-            let bound = match hilo {
-                Hilo::Both => HILO_BOUND,
-                Hilo::X if exact_w => HILO_BOUND,
-                Hilo::X => HILO_X_BOUND,
-                Hilo::Off => BOUND,
-            };
+            let bound = f16_gemm::bound(hilo, exact_w);
             let y = gpu.storage("y", (t * n * 4) as u64);
             gpu.queue.write_buffer(&y, 0, &vec![0xffu8; t * n * 4]);
             let scales = gpu.storage("scales", (t * 4) as u64);
@@ -118,7 +97,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
             let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
             let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
             let rbg = rk.bind_buffers(&gpu.device, &[(0, &params[0]), (1, &xb), (5, &x16), (7, &scales)]);
-            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, &gw, c)).collect();
+            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, None, &gw, c)).collect();
             run(gpu, |pass| {
                 rk.dispatch(pass, &rbg, gemm_f16::row_scale_groups(t, 65535));
                 for (c, d) in dims.iter().enumerate() {
@@ -127,14 +106,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
             });
             let got = gpu.read_f32(&y, t * n).unwrap();
             let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center} bk={bk} db={db}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
-            let mut worst = (0usize, 0f32);
-            for i in 0..t * n {
-                let e = (got[i] - want[i]).abs();
-                let e = if e.is_finite() { e / mag[i].max(1e-30) } else { f32::INFINITY };
-                if e > worst.1 {
-                    worst = (i, e);
-                }
-            }
+            let worst = worst(&got, &want, &mag);
             let i = worst.0;
             println!("{what}: worst error {:.2e} of sum|x||w|", worst.1);
             assert!(worst.1 <= bound, "{what}: at token {} row {}: gpu {} cpu {} (sum|x||w| {}), {:.2e} of it", i / n, i % n, got[i], want[i], mag[i], worst.1);
@@ -249,13 +221,13 @@ fn throughput() {
             if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
-            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center, bk, db }).unwrap();
+            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center, bk, db, grouped: false }).unwrap();
             let scales = gpu.storage("scales", (t * 4) as u64);
             let x16 = gpu.storage("x16", gemm_f16::x16_bytes(&mm.spec, t, k));
             let rk = kf16.row_scale(&mm, k).unwrap();
             let pb = gpu.uniform("p", &mm.params(&d));
             let rbg = rk.bind_buffers(&gpu.device, &[(0, &pb), (1, &x), (5, &x16), (7, &scales)]);
-            let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, w, 0)).collect();
+            let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, None, w, 0)).collect();
             let rg = gemm_f16::row_scale_groups(t, 65535);
             let both = median_pass_seconds(&gpu, iters, |pass| {
                 for bg in &bgs {

@@ -5,6 +5,7 @@
 //! a hi + lo pair of f16; one f16 per input (`MARKBASE_COOP_HILO=0`) misses these bounds. Where the adapter has
 //! cooperative matrices and `MARKBASE_COOP` is unset or names them, on tensor cores; elsewhere
 //! (CI's software rasterizer) on their FMA twin, the same tiling, scaling and f16 rounding.
+//! The MoE fixtures' expert GEMMs run grouped on f16 tiles as well (`gemm_f16_grouped`).
 //! Without an adapter these tests fail, never skip.
 
 mod common;
@@ -26,11 +27,20 @@ fn run(names: &[&str]) {
         let t = r.tokens.len();
         let (logits, _) = run.step(&r.tokens, false).unwrap();
         let kernels = run.gpu_kernels(t).unwrap();
-        let f16 = kernels.iter().filter(|(_, k)| k.starts_with("gemm_f16[")).count();
-        let f32 = kernels.iter().filter(|(_, k)| k.starts_with("gemm[")).count();
+        let count = |p: &str| kernels.iter().filter(|(_, k)| k.starts_with(p)).count();
+        let (f16, f32) = (count("gemm_f16["), count("gemm["));
         assert!(f16 > 0 && f32 == 0, "{name}: {f16} f16 GEMMs and {f32} f32 GEMMs in the {t}-token prefill");
-        match compare(&format!("{name} prefill ({f16} f16 GEMMs)"), &logits, &r.prefill, r.vocab, bound(name).logits) {
-            Ok(e) => println!("{name}: {f16} f16 GEMMs ({}), logits |Δ|/max {e:.2e}", kernels.iter().find(|(_, k)| k.starts_with("gemm_f16[")).unwrap().1),
+        // the MoE's expert GEMMs: grouped on f16 tiles too
+        let (g16, g32) = (count("gemm_f16_grouped["), count("gemm_grouped["));
+        assert!(g32 == 0 && (g16 > 0) == name.contains("moe"), "{name}: {g16} f16 and {g32} f32 grouped GEMMs in the {t}-token prefill");
+        let names = |p: &str| {
+            let mut v: Vec<&str> = kernels.iter().filter(|(_, k)| k.starts_with(p)).map(|(_, k)| k.as_str()).collect();
+            v.sort();
+            v.dedup();
+            v.join(", ")
+        };
+        match compare(&format!("{name} prefill ({f16} f16 GEMMs, {g16} grouped)"), &logits, &r.prefill, r.vocab, bound(name).logits) {
+            Ok(e) => println!("{name}: {f16} f16 GEMMs ({}), {g16} grouped ({}), logits |Δ|/max {e:.2e}", names("gemm_f16["), names("gemm_f16_grouped[")),
             Err(e) => {
                 println!("FAIL {e}");
                 failed.push(e);

@@ -107,14 +107,14 @@ fn metal_gemm_uses_8x8_simdgroup_matrices() {
     println!("{n} Metal variants checked");
 }
 
-/// `gemm_f16::smem_bytes` is the f16 GEMM's workgroup memory exactly (the sum of the workgroup
+/// `gemm_f16::spec_smem_bytes` is the f16 GEMM's workgroup memory exactly (the sum of the workgroup
 /// variables its entry point uses: the backends write no others): it decides which variants an
 /// adapter can run, and which staging the selection takes.
 #[test]
 fn gemm_f16_smem_bytes_match_the_shaders() {
     let mut n = 0;
     for spec in KernelSpec::all_variants() {
-        let KernelSpec::GemmF16 { coop, hilo, mt, bk, db, .. } = spec else { continue };
+        let KernelSpec::GemmF16 { .. } = spec else { continue };
         let wgsl = spec.source(false).text();
         let module = naga::front::wgsl::parse_str(&wgsl).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
         let mut v = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), capabilities(false));
@@ -128,7 +128,7 @@ fn gemm_f16_smem_bytes_match_the_shaders() {
             .filter(|&(h, v)| v.space == naga::AddressSpace::WorkGroup && !used[h].is_empty())
             .map(|(_, v)| layouter[v.ty].size)
             .sum();
-        assert_eq!(markbase::gpu::ops::gemm_f16::smem_bytes(coop, hilo, mt, bk, db), bytes, "{}", spec.name());
+        assert_eq!(markbase::gpu::ops::gemm_f16::spec_smem_bytes(&spec), bytes, "{}", spec.name());
         n += 1;
     }
     assert!(n > 0, "no f16 GEMM variant");

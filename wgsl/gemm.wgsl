@@ -27,11 +27,9 @@
 // Same Params and bindings as gemv.wgsl (a bind group serves both):
 // 0 params, 1 x, 2 y, 3 grp (GROUPED), 5 part and 6 counters (SPLIT), 8.. weights.
 
-// Params, x (binding 1) and load_x4: gemm_common.wgsl.
+// Params, x (binding 1) and load_x4; with GROUPED grp (binding 3), find_tile and pair_at:
+// gemm_common.wgsl.
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-//#if GROUPED
-@group(0) @binding(3) var<storage, read> grp: array<u32>;
-//#endif
 //#if SPLIT
 // per (tile, part): the tile's sums, [token][row / 4]; a counter per tile
 @group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;
@@ -51,31 +49,6 @@ const WS: u32 = BK * BN / 4u;  // vec4s of one weight buffer: [k][row / 4]
 
 var<workgroup> xs: array<vec4<f32>, 2u * XS>;
 var<workgroup> ws: array<vec4<f32>, 2u * WS>;
-//#if GROUPED
-// The slot's tile: (expert, first position, end position, 1), or all 0 past the last tile.
-var<workgroup> tile_sel: vec4<u32>;
-
-// The tile of slot `slot`: the chunk's experts in order, ceil(count / BT) tiles each.
-fn find_tile(slot: u32) -> vec4<u32> {
-    var rem = slot;
-    for (var e = p.e_start; e < p.e_start + p.e_count; e++) {
-        let a = grp[e];
-        let b = max(grp[e + 1u], a);
-        let nt = (b - a + BT - 1u) / BT;
-        if rem < nt {
-            let o0 = a + rem * BT;
-            return vec4<u32>(e, o0, min(b, o0 + BT), 1u);
-        }
-        rem -= nt;
-    }
-    return vec4<u32>(0u);
-}
-
-// Pair index of position `o` of the grouped list.
-fn pair_at(o: u32) -> u32 {
-    return grp[p.E + 1u + o];
-}
-//#endif
 
 // Rows row0..row0+3 of tokens yr (acc i: token i's four rows), times the global scale.
 fn store_rows(yr: vec4<u32>, yvalid: vec4<bool>, row0: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>, gsc: f32) {
@@ -125,11 +98,7 @@ fn main(
     let o0 = kbeg / 8u;  // the part's first octet
     for (var ty = wid.y; ty < nslots; ty += nwg.y) {
 //#if GROUPED
-        workgroupBarrier();
-        if lid == 0u {
-            tile_sel = find_tile(ty);
-        }
-        let sel = workgroupUniformLoad(&tile_sel);
+        let sel = slot_tile(lid, ty);
         if sel.w == 0u {
             break;
         }

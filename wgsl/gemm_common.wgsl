@@ -40,6 +40,46 @@ fn hi4(v: vec4<f32>) -> vec4<f32> {
     return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
 }
 
+//#if GROUPED
+// Op::MoeGroup's value: E + 1 offsets, then the pair indices grouped by expert. The tiles of
+// a grouped GEMM (BT tokens: the including file's) hold pairs of one expert each.
+@group(0) @binding(3) var<storage, read> grp: array<u32>;
+
+// The slot's tile: (expert, first position, end position, 1), or all 0 past the last tile.
+var<workgroup> tile_sel: vec4<u32>;
+
+// The tile of slot `slot`: the chunk's experts in order, ceil(count / BT) tiles each.
+fn find_tile(slot: u32) -> vec4<u32> {
+    var rem = slot;
+    for (var e = p.e_start; e < p.e_start + p.e_count; e++) {
+        let a = grp[e];
+        let b = max(grp[e + 1u], a);
+        let nt = (b - a + BT - 1u) / BT;
+        if rem < nt {
+            let o0 = a + rem * BT;
+            return vec4<u32>(e, o0, min(b, o0 + BT), 1u);
+        }
+        rem -= nt;
+    }
+    return vec4<u32>(0u);
+}
+
+// The tile of slot `slot` for the whole workgroup (every invocation calls it, in uniform control
+// flow), once the previous slot's reads of it are done.
+fn slot_tile(lid: u32, slot: u32) -> vec4<u32> {
+    workgroupBarrier();
+    if lid == 0u {
+        tile_sel = find_tile(slot);
+    }
+    return workgroupUniformLoad(&tile_sel);
+}
+
+// Pair index of position `o` of the grouped list.
+fn pair_at(o: u32) -> u32 {
+    return grp[p.E + 1u + o];
+}
+//#endif
+
 //#if X16
 // x / s as f16 (row_scale.wgsl): [TP][KP] hi parts, then (HILO_X) [TP][KP] lo parts
 @group(0) @binding(1) var<storage, read> x16: array<vec4<f16>>;

@@ -43,13 +43,25 @@
 // staging out (no loads, no stores: the products run on what the buffers hold), ABL_SPLIT = 2 runs
 // the 16 x 16 products of half of each step.
 //
-// Bindings: 0 params (gemm.wgsl's), 1 x16, 2 y, 7 row scales, 8.. weights.
+// GROUPED (Op::GroupedMatMul, as gemm.wgsl's GROUPED): the tokens are the P = T S (token,
+// expert) pairs, grouped by expert in `grp` (binding 3, Op::MoeGroup's value). The grid has a
+// slot for each possible tile (ceil(P / BT) + the chunk's experts); a workgroup finds the
+// (expert, first pair, end) of its slot by walking the chunk's experts (find_tile), stages that
+// expert's rows of the weight stack (its slice: rows (e - e_start) N ..), gathers the pairs'
+// activations from x16 by pair index and scatters its results to the pairs' rows of y. x16 and
+// the row scales are those of x's own rows (row_scale.wgsl over x as it is: the T tokens where
+// a token's S pairs share its row (x_bcast), else the P pairs), so that pair q reads row q / S
+// or q and its scale s. A pair's result depends on its row alone: the same arithmetic however
+// many pairs its expert has.
+//
+// Bindings: 0 params (gemm.wgsl's), 1 x16, 2 y, 3 grp (GROUPED), 7 row scales, 8.. weights.
 enable f16;
 //#if COOP
 enable wgpu_cooperative_matrix;
 //#endif
 
-// Params, x16 (binding 1), t_pad, k_pad, hi4: gemm_common.wgsl (X16).
+// Params, x16 (binding 1), t_pad, k_pad, hi4; with GROUPED grp (binding 3), find_tile and
+// pair_at: gemm_common.wgsl (X16).
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(7) var<storage, read> rs: array<f32>;
 
@@ -92,6 +104,31 @@ var<workgroup> wl: array<f16, NB * WS>;
 //#endif
 //#endif
 
+//#if GROUPED
+// x16 row (and row scale) of position `o` of the grouped pairs: its pair's token (x_bcast) or
+// the pair itself; row 0 for positions past the tile's `end` (read, never written out).
+fn x_row(o: u32, end: u32) -> u32 {
+    if o >= end {
+        return 0u;
+    }
+    let q = pair_at(o);
+    return select(q, q / p.S, p.x_bcast != 0u);
+}
+
+// y row of position `o`: its pair.
+fn y_row(o: u32) -> u32 {
+    return pair_at(o);
+}
+//#else
+fn x_row(o: u32, end: u32) -> u32 {
+    return o;
+}
+
+fn y_row(o: u32) -> u32 {
+    return o;
+}
+//#endif
+
 //#if COOP
 // a staged row's length in the workgroup buffers' elements (vec4s with VS)
 //#if VS
@@ -107,17 +144,18 @@ const WSB: u32 = WS / (LDS / STRIDE);
 var<workgroup> cs: array<f32, 2048u>;
 
 // Writes group g's result staged in cs (16 tokens from t0, 16 rows from r0) to y; lane l holds
-// token l / 2, rows 8 (l % 2) .. + 8.
-fn write_out(g: u32, l: u32, t0: u32, r0: u32, gsc: f32) {
+// token l / 2, rows 8 (l % 2) .. + 8; tokens from `end` on are left out.
+fn write_out(g: u32, l: u32, t0: u32, end: u32, r0: u32, gsc: f32) {
     let i = l / 2u;
     let t = t0 + i;
-    if t < p.T {
-        let sc = rs[t] * gsc;
+    if t < end {
+        let sc = rs[x_row(t, end)] * gsc;
+        let yr = y_row(t);
         for (var j = 0u; j < 8u; j++) {
             let c = 8u * (l % 2u) + j;
             let r = r0 + c;
             if r < p.rows {
-                y[t * p.ldy + p.row_start + r] = cs[g * 256u + i * 16u + c] * sc;
+                y[yr * p.ldy + p.row_start + r] = cs[g * 256u + i * 16u + c] * sc;
             }
         }
     }
@@ -310,7 +348,14 @@ fn main(
 ) {
     let K = p.K;
     let kq = k_pad(k_aug(K)) / 4u;  // vec4s per x16 row
-    let lo_off = t_pad(p.T) * kq;   // where x16's lo parts begin
+//#if GROUPED
+    let xrows = select(p.T, p.T / p.S, p.x_bcast != 0u);  // x16's rows
+    let ntt = (p.T + BT - 1u) / BT + p.e_count;           // tile slots
+//#else
+    let xrows = p.T;
+    let ntt = (p.T + BT - 1u) / BT;
+//#endif
+    let lo_off = t_pad(xrows) * kq;  // where x16's lo parts begin
     let g = lid / 32u;      // group: a subgroup under COOP
     let l = lid % 32u;      // lane in the group
     let gt = 16u * MT * (g / 4u);  // the group's first token in the tile
@@ -322,16 +367,30 @@ fn main(
     let lr = lid / 2u;
     let lo = lid % 2u;
     let nsteps = (k_aug(K) + BK - 1u) / BK;
-    let ntt = (p.T + BT - 1u) / BT;
     let nrt = (p.rows + BN - 1u) / BN;
-    let gsc = w_global(0u);
     for (var ty = wid.y; ty < ntt; ty += nwg.y) {
+        // the tile: positions t0 .. tend (of the grouped pairs, or tokens), rows wbase .. of the
+        // weight (an expert's slice)
+//#if GROUPED
+        let sel = slot_tile(lid, ty);
+        if sel.w == 0u {
+            break;
+        }
+        let t0 = sel.y;
+        let tend = sel.z;
+        let wbase = (sel.x - p.e_start) * p.rows;
+        let gsc = w_global(sel.x);
+//#else
         let t0 = ty * BT;
-        let xr = (t0 + lt) * kq + lq;   // x16 index of the loader's first vec4 (step 0)
+        let tend = p.T;
+        let wbase = 0u;
+        let gsc = w_global(0u);
+//#endif
+        let xr = x_row(t0 + lt, tend) * kq + lq;   // x16 index of the loader's first vec4 (step 0)
         for (var rx = wid.x; rx < nrt; rx += nwg.x) {
             let r0 = rx * BN;
-            let wr = r0 + lr;
-            let wload = wr < p.rows;
+            let wr = wbase + r0 + lr;
+            let wload = r0 + lr < p.rows;
             var lv = load_step(0u, wr, wload, lo, K, xr, lo_off);
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
@@ -526,7 +585,7 @@ fn main(
 //#endrepeat
 //#endrepeat
             workgroupBarrier();
-            write_out(g, l, t0 + gt + 16u * $au, r0 + gn + 16u * $bu, gsc);
+            write_out(g, l, t0 + gt + 16u * $au, tend, r0 + gn + 16u * $bu, gsc);
             workgroupBarrier();
 //#endrepeat
 //#endrepeat
@@ -536,7 +595,7 @@ fn main(
 //#repeat 2 b
             coopStoreT(c$a$b, &cs[g * 256u], 16u);
             workgroupBarrier();
-            write_out(g, l, t0 + gt + 16u * $au, r0 + gn + 16u * $bu, gsc);
+            write_out(g, l, t0 + gt + 16u * $au, tend, r0 + gn + 16u * $bu, gsc);
             workgroupBarrier();
 //#endrepeat
 //#endrepeat
@@ -544,13 +603,14 @@ fn main(
             // straight from the registers
             for (var a = 0u; a < MT; a++) {
                 let t = t0 + gt + 16u * a + l / 2u;
-                if t < p.T {
-                    let sc = rs[t] * gsc;
+                if t < tend {
+                    let sc = rs[x_row(t, tend)] * gsc;
+                    let yr = y_row(t);
                     for (var b = 0u; b < 2u; b++) {
                         for (var j = 0u; j < 8u; j++) {
                             let r = r0 + gn + 16u * b + 8u * (l % 2u) + j;
                             if r < p.rows {
-                                y[t * p.ldy + p.row_start + r] = acc[8u * (2u * a + b) + j] * sc;
+                                y[yr * p.ldy + p.row_start + r] = acc[8u * (2u * a + b) + j] * sc;
                             }
                         }
                     }

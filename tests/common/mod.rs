@@ -350,7 +350,7 @@ pub fn fixture_options(device: DeviceKind) -> ModelOptions {
 
 /// The expert matmuls of the graph of `tokens` per step (run once already): `grouped`
 /// (prefill) = one `moe_group` per layer feeding three `grouped_matmul`s, which the GPU
-/// runs with the grouped GEMM; else (decode) the gathered matmul, a gathered GEMV on the GPU.
+/// runs with the grouped GEMM (f32, or on f16 tiles); else (decode) the gathered matmul, a gathered GEMV on the GPU.
 pub fn check_expert_path(name: &str, run: &mut FixtureRun, tokens: usize, grouped: bool) {
     let layers = run.ck.config().num_layers;
     let g = run.graph(tokens).unwrap().graph.clone();
@@ -368,7 +368,8 @@ pub fn check_expert_path(name: &str, run: &mut FixtureRun, tokens: usize, groupe
     for (n, kernel) in kernels {
         let ok = match g.node(n).op().unwrap() {
             Op::MoeGroup { .. } => kernel == "moe_group",
-            Op::GroupedMatMul => kernel.starts_with("gemm_grouped["),
+            // the f32 grouped GEMM, or the f16 one behind its activations' pass
+            Op::GroupedMatMul => ["gemm_grouped[", "gemm_f16_grouped[", "row_scale["].iter().any(|p| kernel.starts_with(p)),
             Op::GatherMatMul => kernel.starts_with("gemv[") && kernel.contains(" gather"),
             _ => continue,
         };

@@ -127,7 +127,20 @@ pub fn vs(hilo: Hilo) -> bool {
     match std::env::var("MARKBASE_COOP_VS").as_deref() {
         Ok("1") => true,
         Ok("0") => false,
-        _ => hilo == Hilo::X,
+        _ => vs_default(hilo),
+    }
+}
+
+fn vs_default(hilo: Hilo) -> bool {
+    hilo == Hilo::X
+}
+
+/// Workgroup memory (bytes) of the f16 GEMM `spec` ([`smem_bytes`], and the grouped one's
+/// tile of the slot).
+pub fn spec_smem_bytes(spec: &KernelSpec) -> u32 {
+    match *spec {
+        KernelSpec::GemmF16 { coop, hilo, mt, bk, db, grouped, .. } => smem_bytes(coop, hilo, mt, bk, db) + if grouped { 16 } else { 0 },
+        _ => 0,
     }
 }
 
@@ -218,8 +231,9 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db } => format!(
-            "gemm_f16[{}{}{}{}{}{}{}{}]",
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped } => format!(
+            "gemm_f16{}[{}{}{}{}{}{}{}{}]",
+            if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
                 (true, true) => " coop8x8",
@@ -249,8 +263,9 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db } => {
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped } => {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP])
+                .flag("GROUPED", grouped)
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
@@ -287,7 +302,7 @@ fn variants() -> Vec<KernelSpec> {
     }
     for fmt in all_formats() {
         for (coop, m8) in [(false, false), (true, false), (true, true)] {
-            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db };
+            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped: false };
             for (hilo, mt, vs) in [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true)] {
                 v.push(spec(hilo, mt, vs, false, 32, false));
             }
@@ -309,15 +324,22 @@ fn variants() -> Vec<KernelSpec> {
                     }
                 }
             }
+            // the grouped GEMM (default staging): the format's split with both tiles, both inputs
+            // split, none
+            for (hilo, mt, center) in [(split, 2, centred), (split, 4, centred), (Hilo::Both, 2, false), (Hilo::Off, 4, false)] {
+                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: vs_default(hilo), center, bk: 32, db: false, grouped: true });
+            }
         }
     }
     v
 }
 
 /// Workgroups of the GEMM over `rows` rows and `t` tokens with `mt` (each dimension capped at
-/// `maxg`; the kernel walks the rest).
-pub fn gemm_groups(rows: usize, t: usize, mt: u8, maxg: u32) -> [u32; 3] {
-    [div_ceil(rows, TILE_N).min(maxg as usize) as u32, div_ceil(t, 32 * mt as usize).min(maxg as usize) as u32, 1]
+/// `maxg`; the kernel walks the rest); grouped over the pairs of `experts` experts: a slot for
+/// each possible tile (each expert's last may be partial).
+pub fn gemm_groups(rows: usize, t: usize, mt: u8, experts: Option<usize>, maxg: u32) -> [u32; 3] {
+    let tiles = div_ceil(t, 32 * mt as usize) + experts.unwrap_or(0);
+    [div_ceil(rows, TILE_N).min(maxg as usize) as u32, tiles.min(maxg as usize) as u32, 1]
 }
 
 /// Workgroups of the activations' pass over `t` tokens (padded to 128).

@@ -415,16 +415,23 @@ impl Kernels {
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
             if self.opts.coop != CoopMode::Off && n.is_none_or(|n| gemm_f16::takes_f16(n, k, t)) {
-                let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt, k));
-                let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt, k);
-                let mt = gemm_f16::tile_mt(coop, hilo, n.unwrap_or(usize::MAX), t, self.limits.max_compute_workgroup_storage_size);
-                let (bk, db) = gemm_f16::staging(coop, hilo, mt, self.limits.max_compute_workgroup_storage_size);
-                return Ok(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db });
+                return Ok(self.f16_spec(fmt, k, n.unwrap_or(usize::MAX), t, false));
             }
             let split = !wide && self.opts.merge_splits && n.is_some_and(|n| gemm_ksplit(gemm_tiles(n, t, false), k) > 1);
             KernelSpec::Gemm { fmt, wide, split, xvec: k % 4 == 0 }
         };
         Ok(spec)
+    }
+
+    /// The f16 GEMM's spec for `fmt` over `n` x `k` and `t` tokens (`grouped`: `t` per expert,
+    /// on average; the default staging).
+    fn f16_spec(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, grouped: bool) -> KernelSpec {
+        let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt, k));
+        let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt, k);
+        let smem = self.limits.max_compute_workgroup_storage_size;
+        let mt = gemm_f16::tile_mt(coop, hilo, n, t, smem);
+        let (bk, db) = if grouped { (32, false) } else { gemm_f16::staging(coop, hilo, mt, smem) };
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped }
     }
 
     /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
@@ -466,6 +473,18 @@ impl Kernels {
     pub fn grouped_matmul(&self, fmt: GpuFormat, k: usize) -> Result<MatMulKernel, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "grouped_matmul".into(), msg: m })?;
         self.matmul_spec(KernelSpec::GroupedGemm { fmt })
+    }
+
+    /// `Op::GroupedMatMul` over a stack of `experts` experts of `n` x `k` for `pairs` (token,
+    /// expert) pairs: the f16 GEMM grouped where it is on and one expert's weight is large
+    /// enough for the pairs' work ([`gemm_f16::takes_f16`] with the pairs as tokens), else
+    /// [`Kernels::grouped_matmul`].
+    pub fn grouped_matmul_rows(&self, fmt: GpuFormat, k: usize, n: usize, pairs: usize, experts: usize) -> Result<MatMulKernel, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "grouped_matmul".into(), msg: m })?;
+        if self.opts.coop != CoopMode::Off && gemm_f16::takes_f16(n, k, pairs) {
+            return self.matmul_spec(self.f16_spec(fmt, k, n, pairs.div_ceil(experts.max(1)), true));
+        }
+        self.grouped_matmul(fmt, k)
     }
 }
 
@@ -609,7 +628,7 @@ impl MatMulKernel {
     }
 
     /// Bind group of the f16 GEMM: chunk `c` of `w`, the activations `x16` and their row scales
-    /// `scales`.
+    /// `scales`; the grouped one's `Op::MoeGroup` value `groups`.
     #[allow(clippy::too_many_arguments)]
     pub fn bind_group_f16(
         &self,
@@ -618,10 +637,14 @@ impl MatMulKernel {
         x16: &wgpu::Buffer,
         y: &wgpu::Buffer,
         scales: &wgpu::Buffer,
+        groups: Option<&wgpu::Buffer>,
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        self.bind(device, params, x16, y, &[(7, scales)], w, None, c)
+        match groups {
+            Some(g) => self.bind(device, params, x16, y, &[(3, g), (7, scales)], w, None, c),
+            None => self.bind(device, params, x16, y, &[(7, scales)], w, None, c),
+        }
     }
 
     /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
@@ -679,7 +702,7 @@ impl MatMulKernel {
                 let experts = d.gather.map_or(0, |g| g.e_count);
                 [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
-            KernelSpec::GemmF16 { mt, .. } => gemm_f16::gemm_groups(d.rows, d.t, mt, self.maxg),
+            KernelSpec::GemmF16 { mt, grouped, .. } => gemm_f16::gemm_groups(d.rows, d.t, mt, d.gather.filter(|_| grouped).map(|g| g.e_count), self.maxg),
             KernelSpec::Gemm { wide, .. } => {
                 [div_ceil(d.rows, gemm_tile_rows(wide)).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
             }
@@ -788,30 +811,7 @@ impl MatMulKernel {
 pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
     let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
-    let scales = if k.is_f16() {
-        // the row scales of x and x / s in f16, for every chunk's GEMM
-        let bytes = (rows.max(1) * 4) as u64;
-        if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
-            let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
-            cx.acc.scratch.push(b.clone());
-            cx.acc.row_scales = Some(b);
-        }
-        let bytes = gemm_f16::x16_bytes(&k.spec, rows, w.k);
-        if cx.acc.x16.as_ref().is_none_or(|b| b.size() < bytes) {
-            let b = cx.gpu.try_storage("gemm.x16", bytes).map_err(|e| e.to_string())?;
-            cx.acc.scratch.push(b.clone());
-            cx.acc.x16 = Some(b);
-        }
-        let sb = cx.acc.row_scales.clone().expect("allocated above");
-        let xb = cx.acc.x16.clone().expect("allocated above");
-        let rk = kernels.row_scale(&k, w.k).map_err(cx.kerr())?;
-        let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
-        let bg = rk.bind_buffers(dev, &[(0, &p), (1, x), (5, &xb), (7, &sb)]);
-        cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
-        Some((sb, xb))
-    } else {
-        None
-    };
+    let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, x, rows)?) } else { None };
     for ci in 0..w.chunks.len() {
         let d = MatMulDims::plain(w, ci, rows);
         let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
@@ -825,13 +825,39 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
             let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
             k.bind_group_split(dev, &p, x, y, part, done, w, ci)
         } else if let Some((sb, xb)) = &scales {
-            k.bind_group_f16(dev, &p, xb, y, sb, w, ci)
+            k.bind_group_f16(dev, &p, xb, y, sb, None, w, ci)
         } else {
             k.bind_group(dev, &p, x, y, None, w, ci)
         };
         cx.push(k.kernel.clone(), bg, k.groups(&d));
     }
     Ok(())
+}
+
+/// Records the f16 GEMM `k`'s activations' pass over `rows` rows of `x` (rows of `w.k`) into the
+/// scratch buffers the graph's f16 GEMMs share (grown to fit): returns the row scales and x / s
+/// in f16.
+fn f16_activations(cx: &mut LowerCtx, k: &MatMulKernel, w: &GpuWeight, x: &wgpu::Buffer, rows: usize) -> Result<(wgpu::Buffer, wgpu::Buffer), String> {
+    let (dev, kernels) = (cx.dev(), cx.kernels);
+    let bytes = (rows.max(1) * 4) as u64;
+    if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
+        let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
+        cx.acc.scratch.push(b.clone());
+        cx.acc.row_scales = Some(b);
+    }
+    let bytes = gemm_f16::x16_bytes(&k.spec, rows, w.k);
+    if cx.acc.x16.as_ref().is_none_or(|b| b.size() < bytes) {
+        let b = cx.gpu.try_storage("gemm.x16", bytes).map_err(|e| e.to_string())?;
+        cx.acc.scratch.push(b.clone());
+        cx.acc.x16 = Some(b);
+    }
+    let sb = cx.acc.row_scales.clone().expect("allocated above");
+    let xb = cx.acc.x16.clone().expect("allocated above");
+    let rk = kernels.row_scale(k, w.k).map_err(cx.kerr())?;
+    let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
+    let bg = rk.bind_buffers(dev, &[(0, &p), (1, x), (5, &xb), (7, &sb)]);
+    cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
+    Ok((sb, xb))
 }
 
 /// Lowers the matmul ops.
@@ -861,11 +887,17 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let ids_shape = cx.shape_of(1);
             let (t, s) = (ids_shape[0], ids_shape[1]);
             let bcast = cx.graph.node(cx.ins[0]).ty.shape.len() == 2;
-            let k = kernels.grouped_matmul(w.format, w.k).map_err(cx.kerr())?;
+            let k = kernels.grouped_matmul_rows(w.format, w.k, w.rows_per_expert, t * s, w.experts).map_err(cx.kerr())?;
+            let (x, groups) = (cx.input(0)?, cx.input(3)?);
+            // the f16 GEMM's activations: x's own rows (a token's, shared by its pairs, or a pair's)
+            let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, &x, if bcast { t } else { t * s })?) } else { None };
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::gathered(w, ci, t, s, bcast);
                 let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
-                let bg = k.bind_group(dev, &p, &cx.input(0)?, &cx.out()?, Some(&cx.input(3)?), w, ci);
+                let bg = match &scales {
+                    Some((sb, xb)) => k.bind_group_f16(dev, &p, xb, &cx.out()?, sb, Some(&groups), w, ci),
+                    None => k.bind_group(dev, &p, &x, &cx.out()?, Some(&groups), w, ci),
+                };
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
             }
         }
