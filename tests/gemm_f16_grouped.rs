@@ -216,13 +216,14 @@ fn grouped_gemm_f16_selection() {
 /// [2816, 704]; affine 4-bit g64) for `MARKBASE_BENCH_T` tokens (default 512) of 8 pairs each,
 /// routed uniformly: the f32 grouped GEMM and the f16 one (with its activations' pass, and
 /// alone), median of `MARKBASE_BENCH_ITERS` passes; TFLOP/s of the pairs' work, 2 P N K.
+/// `MARKBASE_BENCH_EXPERTS` takes fewer experts (a quick run on a slow adapter).
 #[test]
 #[ignore]
 fn throughput() {
     let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
     println!("adapter: {}", gpu.info.summary());
     let envu = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-    let (t, s, ne) = (envu("MARKBASE_BENCH_T", 512), 8, 128);
+    let (t, s, ne) = (envu("MARKBASE_BENCH_T", 512), 8, envu("MARKBASE_BENCH_EXPERTS", 128));
     let iters = envu("MARKBASE_BENCH_ITERS", 5);
     let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
     let mut r = rng("gemm_f16_grouped_throughput");

@@ -6,7 +6,10 @@
 //! `gemm.wgsl`.
 //!
 //! A plain matmul of [`super::matmul::GEMM_MIN_T`] tokens or more runs as two dispatches: the
-//! activations' pass into scratch buffers shared by the graph's GEMMs, then the GEMM.
+//! activations' pass into scratch buffers shared by the graph's GEMMs, then the GEMM. So does
+//! the MoE's expert-grouped GEMM (`Op::GroupedMatMul`, `grouped` in [`KernelSpec::GemmF16`]):
+//! the activations' pass over x's own rows (tokens, or pairs), then the GEMM over each expert's
+//! pairs, which gathers their rows.
 
 use crate::gpu::device::Gpu;
 use crate::gpu::kernels::{all_formats, div_ceil, weight_source, COMMON, KernelSpec, WEIGHTS};
