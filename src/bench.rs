@@ -245,7 +245,7 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
 /// Time per op of a profiled run (a timestamp after every dispatch), summed by op, weights'
 /// format and weights without their layer index (a fused GEMV names each of its weights):
 /// the total seconds and one `{op, ms, dispatches, share}` per label.
-fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>) {
+pub(crate) fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>) {
     let mut by_op: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     for (n, s) in &p.dispatches {
         let node = c.graph.node(*n);

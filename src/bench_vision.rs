@@ -135,7 +135,8 @@ fn encode(runner: &mut Runner, c: &markbase_graph::passes::Compiled, step: &Step
 /// each image's prompt (`bos, boi, N × image, eoi`, 32 text tokens) to the decoder
 /// (`text_weights`) up to its first token, as `generate` does (prefill chunks of 256). One
 /// record per image size.
-pub fn bench_images(cfg: &ModelConfig, text_weights: Arc<Weights>, v: &VisionSource, device: DeviceKind, tokens: &[usize], runs: usize) -> Result<Vec<Value>, String> {
+/// With `profile` (a GPU), also one encode with a timestamp after every dispatch, summed by op.
+pub fn bench_images(cfg: &ModelConfig, text_weights: Arc<Weights>, v: &VisionSource, device: DeviceKind, tokens: &[usize], runs: usize, profile: bool) -> Result<Vec<Value>, String> {
     let vc = &v.vc;
     let mut runner = Runner::new(v.weights.clone(), device, false).map_err(|e| e.to_string())?;
     let mut recs = vec![];
@@ -176,6 +177,19 @@ pub fn bench_images(cfg: &ModelConfig, text_weights: Arc<Weights>, v: &VisionSou
             "tower_tflop": flops / 1e12,
             "encode_tflop_s": flops / secs / 1e12,
         }));
+        if let (true, Runner::Gpu(g)) = (profile, &mut runner) {
+            g.set_profile(Profile::Kernels);
+            runner.soft(&c, &step).map_err(|e| e.to_string())?;
+            if let Runner::Gpu(g) = &mut runner {
+                if let Some(p) = g.profile() {
+                    let (total, by_op) = crate::bench::ops_by_weight(&c, &p);
+                    let last = recs.len() - 1;
+                    recs[last]["encode_profile_total_ms"] = json!(total * 1e3);
+                    recs[last]["encode_profile_by_op"] = json!(by_op);
+                }
+                g.set_profile(Profile::Off);
+            }
+        }
         softs.push(SoftTokens { tokens: n, width: vc.text_hidden, data: soft, kind: Modality::Image });
     }
     drop(runner);

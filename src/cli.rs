@@ -592,7 +592,7 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         let mut r = bench::bench_one(&name, &cfg, weights.clone(), d, &o)
             .unwrap_or_else(|e| serde_json::json!({"model": name, "device": device_name(d), "error": e}));
         if let (Some(v), None) = (&vision, r.get("error")) {
-            match crate::bench_vision::bench_images(&cfg, weights.clone(), v, d, &image_tokens, o.runs) {
+            match crate::bench_vision::bench_images(&cfg, weights.clone(), v, d, &image_tokens, o.runs, o.profile) {
                 Ok(images) => r["image"] = serde_json::json!(images),
                 Err(e) => {
                     eprintln!("{}: the image bench failed: {e}", device_name(d));

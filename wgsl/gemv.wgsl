@@ -35,7 +35,8 @@
 // the other half, then summing one value over the bits left: RS - 1 shuffles in all, plus
 // log2(subgroup / RS), where a subgroupAdd per sum costs RS * log2(subgroup).
 //
-// Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1,
+// Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1, TOKX
+// (several tokens, not GATHER: token groups along the grid's x, row groups along y),
 // BP2 (one token: two blocks per invocation and step), PRENORM, HAS_NW, DUAL, CAT, CAT3, HALF,
 // XRED.
 // Bindings: 0 params, 1 x, 2 y, 3 ids (GATHER), 4 norm weight (HAS_NW), 8.. weights,
@@ -302,7 +303,20 @@ fn main(
 //#else
     let nty = (p.T + TT - 1u) / TT;
 //#endif
-    for (var ty = wid.y; ty < nty; ty += nwg.y) {
+//#if TOKX
+    // several tokens, not gathered: a row group's token groups are neighbouring workgroups
+    // (along x), so that they read its weights at about the same time
+    let gt0 = wid.x;
+    let gtn = nwg.x;
+    let gr0 = wid.y;
+    let grn = nwg.y;
+//#else
+    let gt0 = wid.y;
+    let gtn = nwg.y;
+    let gr0 = wid.x;
+    let grn = nwg.x;
+//#endif
+    for (var ty = gt0; ty < nty; ty += gtn) {
 //#if GATHER
         let e = ids[ty];
         let in_chunk = e >= p.e_start && e < p.e_start + p.e_count;
@@ -318,7 +332,7 @@ fn main(
         let nb = nblk;
         let t0 = ty * TT;
 //#endif
-        for (var rg = wid.x; rg < nrg; rg += nwg.x) {
+        for (var rg = gr0; rg < nrg; rg += grn) {
 //#if CAT
             // the weight of this row group, its rows and its first output column
             let sec = select(select(2u, 1u, rg < ng12), 0u, rg < ng1);

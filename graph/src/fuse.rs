@@ -470,8 +470,7 @@ pub fn fuse(g: Graph, o: &FuseOptions) -> Result<Graph, BuildError> {
     let mut w = Work::new(&g);
     // one token of one sequence (a batch's graphs keep their rows' arithmetic whatever the
     // number of rows: no one-token fusions)
-    let batched = g.g.node_indices().any(|n| matches!(g.node(n).kind, NodeKind::Input { input: InputKind::SlotIds }));
-    let one = g.tokens == 1 && !batched;
+    let one = g.tokens == 1 && !g.batched();
     let rules: [(bool, fn(&mut Work, usize) -> bool); 8] = [
         (o.norm_rope, norm_rope),
         (o.gelu_mul, gelu_mul),

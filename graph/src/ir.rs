@@ -162,6 +162,17 @@ impl Graph {
         Graph { g: DiGraph::new(), outputs: vec![], tokens, kind }
     }
 
+    /// Whether this is a graph of a batch of sequences (it reads each row's sequence slot).
+    pub fn batched(&self) -> bool {
+        self.g.node_indices().any(|n| matches!(self.node(n).kind, NodeKind::Input { input: InputKind::SlotIds }))
+    }
+
+    /// Whether this is a batch's decode step: a row per sequence, whose arithmetic must not
+    /// depend on how many rows the step has.
+    pub fn row_batch(&self) -> bool {
+        self.kind == GraphKind::Decode && self.batched()
+    }
+
     fn push(&mut self, name: String, layer: Option<usize>, kind: NodeKind, ty: TensorType) -> NodeIndex {
         let id = self.g.node_count() as u32;
         self.g.add_node(Node { id, name, layer, kind, ty, rule: None })

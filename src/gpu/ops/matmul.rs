@@ -21,6 +21,9 @@ const GEMM_COMMON: &str = include_str!("../../../wgsl/gemm_common.wgsl");
 
 /// From this many tokens on, a plain matmul uses the tiled GEMM instead of the GEMV.
 pub const GEMM_MIN_T: usize = 8;
+/// Tokens per workgroup of a batch decode step's GEMV from 4 rows on
+/// ([`Kernels::matmul_rowwise`]; `MARKBASE_ROW_TT` overrides, 2 to 8).
+pub const ROW_TT: u32 = 4;
 /// The GEMM takes 128-row tiles when that still makes this many tiles (`MARKBASE_GEMM_WIDE=0|1`
 /// overrides). Measured on the H200 (affine 4-bit, µs): 512 tokens x 3840 rows (240 wide tiles)
 /// 2317 against 2834 at 64 rows; 128 x 8192 (128) 337 against 358; 128 x 3840 (60) 1332 against
@@ -188,6 +191,12 @@ fn gemv_wg_capped(wg: u32, cap: u32) -> u32 {
 
 pub(crate) const FAMILY: Family = Family { name, source, variants };
 
+/// Whether a GEMV walks its token groups along the grid's x (gemv.wgsl's TOKX): several
+/// tokens, not gathered.
+fn gemv_tokx(gather: bool, tt: u32) -> bool {
+    !gather && tt > 1
+}
+
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
         KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => format!(
@@ -237,6 +246,7 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("GATHER", gather)
                 .flag("XVEC", xvec)
                 .flag("TT1", tt == 1)
+                .flag("TOKX", gemv_tokx(gather, tt))
                 .flag("BP2", bp2 && tt == 1)
                 .flag("HALF", half);
             // half blocks read their weights in 8-byte words
@@ -258,6 +268,7 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("GATHER", false)
                 .flag("XVEC", xvec)
                 .flag("TT1", true)
+                .flag("TOKX", false)
                 .flag("BP2", false)
                 .flag("HALF", half)
                 .flag("CAT", true)
@@ -466,6 +477,22 @@ impl Kernels {
             _ => 0,
         };
         self.get(KernelSpec::RowScale { xvec: k % 4 == 0, lo, aug })
+    }
+
+    /// A matmul of a batch's decode step (`t` rows, one per sequence): the several-token GEMV
+    /// for every row count, in token groups of [`ROW_TT`] (2 for fewer rows), with the
+    /// workgroup size of every several-token GEMV over rows of `k`. A row's sums are then those
+    /// of the same row at any other row count: blocks split over the workgroup the same way,
+    /// reduced in the same order (the token group and the rows per workgroup change only which
+    /// accumulators a workgroup holds). The token groups of a row group are neighbouring
+    /// workgroups, so that they read the same weights at about the same time.
+    pub fn matmul_rowwise(&self, fmt: GpuFormat, k: usize, t: usize) -> Result<MatMulKernel, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
+        let tt = if t >= 4 { env_u32("MARKBASE_ROW_TT").unwrap_or(ROW_TT).clamp(2, 8) } else { 2 };
+        let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
+        let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else { 4 });
+        let wg = self.gemv_wg(k, 2, false, false);
+        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather: false, xvec: k % 32 == 0, bp2: false, norm: None, dual: false, half: false })
     }
 
     /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
@@ -690,8 +717,13 @@ impl MatMulKernel {
         let m = self.maxg as usize;
         match self.spec {
             KernelSpec::Gemv { rows, tt, gather, .. } => {
-                let ty = if gather { d.t } else { div_ceil(d.t, tt as usize) };
-                [div_ceil(d.rows, rows as usize).min(m) as u32, ty.min(m) as u32, 1]
+                let (rg, ty) = (div_ceil(d.rows, rows as usize).min(m) as u32, if gather { d.t } else { div_ceil(d.t, tt as usize) }.min(m) as u32);
+                // several tokens, not gathered: the token groups along x (gemv.wgsl's TOKX)
+                if gemv_tokx(gather, tt) {
+                    [ty, rg, 1]
+                } else {
+                    [rg, ty, 1]
+                }
             }
             KernelSpec::GemvCat { rows, .. } => {
                 let g: usize = [d.rows, d.cat[0], d.cat[1]].iter().map(|&r| div_ceil(r, rows as usize)).sum();
@@ -810,7 +842,12 @@ impl MatMulKernel {
 /// one dispatch per chunk of `w`.
 pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
-    let k = kernels.matmul_rows(w.format, w.k, w.rows, rows, false).map_err(cx.kerr())?;
+    let k = if cx.graph.row_batch() {
+        kernels.matmul_rowwise(w.format, w.k, rows)
+    } else {
+        kernels.matmul_rows(w.format, w.k, w.rows, rows, false)
+    }
+    .map_err(cx.kerr())?;
     let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, x, rows)?) } else { None };
     for ci in 0..w.chunks.len() {
         let d = MatMulDims::plain(w, ci, rows);
