@@ -76,9 +76,15 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// Most tokens of one prefill step of the bench: a longer prompt is fed in steps of this many
+/// (one step's attention scores grow with its tokens times the context).
+pub const BENCH_MAX_CHUNK: usize = 2048;
+
 /// Benchmarks one model on one device. Returns a JSON record.
 pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device: DeviceKind, o: &BenchOptions) -> Result<Value, String> {
-    let opts = ModelOptions { device, max_context: o.prompt + o.gen + 8, prefill_chunk: o.prompt.max(1), fuse: o.fuse.clone(), ..Default::default() };
+    // the prompt in one prefill step, up to BENCH_MAX_CHUNK tokens (longer: steps of that many)
+    let chunk = o.prompt.clamp(1, BENCH_MAX_CHUNK);
+    let opts = ModelOptions { device, max_context: o.prompt + o.gen + 8, prefill_chunk: chunk, fuse: o.fuse.clone(), ..Default::default() };
     let mut m = Model::from_parts(config.clone(), weights.clone(), None, &opts)?;
     let dev = m.device();
     let vocab = config.vocab_size as u32;
@@ -158,6 +164,7 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
         "model": name,
         "device": dev,
         "prompt": o.prompt,
+        "prefill_chunk": chunk,
         "gen": o.gen,
         "runs": o.runs,
         "prefill_tok_s": o.prompt as f64 / prefill_s,
@@ -227,10 +234,10 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
                 }
                 rec["matmul_GB_s"] = json!(mm_bytes as f64 / mm_s.max(1e-12) / 1e9);
             }
-            // one prefill of the prompt (one chunk: the bench's chunk is the prompt)
+            // one prefill of the prompt (where it is one step)
             m.reset();
             m.forward(&prompt, false, None)?;
-            if let Some(p) = m.gpu_profile() {
+            if let (Some(p), true) = (m.gpu_profile(), prompt.len() <= chunk) {
                 let c = m.graph(GraphKey { tokens: prompt.len(), all_logits: false, sample: false, images: false })?;
                 let (total, by_op) = ops_by_weight(c, &p);
                 rec["gpu_prefill_profile_total_ms"] = json!(total * 1e3);
