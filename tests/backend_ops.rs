@@ -827,7 +827,7 @@ fn vision(cs: &mut Cases) {
             (cx.b.op(Op::Rope2d { theta }, &[x, cx.b.tokens, cx.b.positions]), x)
         });
     }
-    for (t, nq, nkv, d, mask) in [(5usize, 2usize, 2usize, 32usize, false), (70, 4, 2, 72, true), (130, 2, 1, 64, true), (9, 2, 2, 256, false)] {
+    for (t, nq, nkv, d, mask) in [(5usize, 2usize, 2usize, 32usize, false), (70, 4, 2, 72, true), (130, 2, 1, 64, true), (33, 3, 1, 13, true), (9, 2, 2, 256, false)] {
         let desc = format!("q f32[{t}, {nq}, {d}] kv [{t}, {nkv}, {d}] mask {mask}");
         cs.add("full_attention", desc, t, ATTENTION, |cx| {
             let q = cx.b.act(&[t, nq, d], 1.0);

@@ -9,8 +9,9 @@
 //           with an online softmax, so a tile's scores are all that is ever held; keys whose
 //           valid word is 0 (MASK) are skipped
 //
-// Prelude consts: WG, LDT/HDT/WDT/BDT (0 bf16, 1 f16, 2 f32). Flags: one op flag; HAS_B
-// (LNORM), MASK (ATTN).
+// Prelude consts: WG, LDT/HDT/WDT/BDT (0 bf16, 1 f16, 2 f32); DM, DJ (ATTN with TILED: the
+// head dim rounded up to 4, and a quarter of it). Flags: one op flag; HAS_B (LNORM), MASK and
+// TILED (ATTN).
 // Bindings: 0 params, 1 x (ATTN: q), 2 out, then CLAMP 3 lo 4 hi; ROPE2D 3 px 4 py; LNORM 3 w
 // 4 b; ATTN 3 k 4 v 5 valid; SCATTER 3 rows 4 src.
 
@@ -168,6 +169,149 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 //#endif
 
 //#if ATTN
+//#if TILED
+// TILED: a workgroup takes QT queries of one head and walks the keys in tiles of KT: the
+// queries, one tile of keys and one of values are held in workgroup memory (DM floats a row:
+// the head dim, rounded up to 4), so each key and value is read once per QT queries instead of
+// once per query. Invocation lid computes the scores of query lid / 4 with keys 4 (lid % 4) ..
+// + 3 of the tile, and the output dims lid % 4 + 4 j of the same query; the row's online
+// softmax (running max, sum, correction) is kept by invocations 0 .. QT - 1.
+const QT: u32 = 32u;
+const KT: u32 = 16u;
+var<workgroup> qt_s: array<f32, QT * DM>;
+var<workgroup> kt_s: array<f32, KT * DM>;
+var<workgroup> vt_s: array<f32, KT * DM>;
+var<workgroup> sc_s: array<f32, QT * KT>;
+var<workgroup> m_s: array<f32, QT>;
+var<workgroup> l_s: array<f32, QT>;
+var<workgroup> c_s: array<f32, QT>;
+
+@compute @workgroup_size(128)
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let group = p.heads / p.kv;
+    let d = p.d;
+    let nt = p.n / p.heads;
+    let ntiles = (nt + QT - 1u) / QT * p.heads;
+    let qi = lid / 4u;
+    let part = lid % 4u;
+    for (var wt = wid.y * nwg.x + wid.x; wt < ntiles; wt += nwg.x * nwg.y) {
+        let h = wt % p.heads;
+        let t0 = (wt / p.heads) * QT;
+        let kh = h / group;
+        for (var idx = lid; idx < QT * d; idx += 128u) {
+            let t = t0 + idx / d;
+            var q = 0.0;
+            if t < nt {
+                q = x[(t * p.heads + h) * d + idx % d];
+            }
+            qt_s[(idx / d) * DM + idx % d] = q;
+        }
+        if lid < QT {
+            m_s[lid] = NEG_BIG;
+            l_s[lid] = 0.0;
+        }
+        var acc: array<f32, DJ>;
+        for (var j = 0u; j < DJ; j++) {
+            acc[j] = 0.0;
+        }
+        for (var s0 = 0u; s0 < p.s; s0 += KT) {
+            workgroupBarrier();
+            for (var idx = lid; idx < KT * d; idx += 128u) {
+                let s = s0 + idx / d;
+                var kv_k = 0.0;
+                var kv_v = 0.0;
+                if s < p.s {
+                    let b = (s * p.kv + kh) * d + idx % d;
+                    kv_k = kk[b];
+                    kv_v = vv[b];
+                }
+                kt_s[(idx / d) * DM + idx % d] = kv_k;
+                vt_s[(idx / d) * DM + idx % d] = kv_v;
+            }
+            workgroupBarrier();
+            // scores of query qi with keys 4 part .. 4 part + 3
+            for (var jj = 0u; jj < 4u; jj++) {
+                let j = part * 4u + jj;
+                let s = s0 + j;
+                var ok = s < p.s;
+//#if MASK
+                if ok {
+                    ok = valid[s] != 0u;
+                }
+//#endif
+                var score = NEG_BIG;
+                if ok {
+                    var dot = 0.0;
+                    for (var c = 0u; c < d; c++) {
+                        dot += qt_s[qi * DM + c] * kt_s[j * DM + c];
+                    }
+                    score = dot * p.f;
+                }
+                sc_s[qi * KT + j] = score;
+            }
+            workgroupBarrier();
+            if lid < QT {
+                let m_old = m_s[lid];
+                var mx = m_old;
+                for (var j = 0u; j < KT; j++) {
+                    mx = max(mx, sc_s[lid * KT + j]);
+                }
+                var sum = 0.0;
+                for (var j = 0u; j < KT; j++) {
+                    let sv = sc_s[lid * KT + j];
+                    var pr = 0.0;
+                    if sv > NEG_BIG {
+                        pr = exp(sv - mx);
+                    }
+                    sc_s[lid * KT + j] = pr;
+                    sum += pr;
+                }
+                var corr = 0.0;
+                if m_old > NEG_BIG {
+                    corr = exp(m_old - mx);
+                }
+                l_s[lid] = l_s[lid] * corr + sum;
+                m_s[lid] = mx;
+                c_s[lid] = corr;
+            }
+            workgroupBarrier();
+            let corr = c_s[qi];
+            let n = min(KT, p.s - s0);
+            for (var j = 0u; j < DJ; j++) {
+                let dd = part + 4u * j;
+                if dd < d {
+                    var a = acc[j] * corr;
+                    for (var u = 0u; u < n; u++) {
+                        a += sc_s[qi * KT + u] * vt_s[u * DM + dd];
+                    }
+                    acc[j] = a;
+                }
+            }
+        }
+        workgroupBarrier();
+        let t = t0 + qi;
+        let l = l_s[qi];
+        if t < nt {
+            for (var j = 0u; j < DJ; j++) {
+                let dd = part + 4u * j;
+                if dd < d {
+                    var o = 0.0;
+                    if l > 0.0 {
+                        o = acc[j] / l;
+                    }
+                    out[(t * p.heads + h) * d + dd] = o;
+                }
+            }
+        }
+        // the next tile's queries and row state overwrite what this one read
+        workgroupBarrier();
+    }
+}
+//#else
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> pt: array<f32, WG>;
 
@@ -246,4 +390,5 @@ fn main(
         workgroupBarrier();
     }
 }
+//#endif
 //#endif

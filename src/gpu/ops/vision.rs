@@ -18,6 +18,26 @@ const ROW_WG: u32 = 64;
 /// Largest head dim of the attention kernel, and timescales of the 2-D RoPE (D/4).
 pub const MAX_VISION_HEAD_DIM: usize = 256;
 
+/// Queries and keys per tile of the tiled attention (`vision.wgsl`'s QT and KT), its
+/// invocations, and the largest head dim it takes.
+const TILED_QT: usize = 32;
+const TILED_KT: usize = 16;
+const TILED_WG: u32 = 128;
+const TILED_MAX_D: usize = 128;
+
+/// The row width in workgroup memory of the tiled attention over heads of `d` (`d` rounded up
+/// to 4), or 0 where it does not fit (`smem` bytes of workgroup memory) or `d` is over
+/// [`TILED_MAX_D`]: the per-query kernel then runs.
+fn tiled_dm(d: usize, smem: u32) -> u32 {
+    let dm = d.div_ceil(4) * 4;
+    let bytes = 4 * ((TILED_QT + 2 * TILED_KT) * dm + TILED_QT * TILED_KT + 3 * TILED_QT);
+    if d == 0 || d > TILED_MAX_D || bytes > smem as usize {
+        0
+    } else {
+        dm as u32
+    }
+}
+
 /// A variant of `vision.wgsl`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum VisionKernel {
@@ -27,8 +47,9 @@ pub enum VisionKernel {
     Pool,
     /// Weight and bias dtypes.
     LayerNorm { w: FloatType, b: Option<FloatType> },
-    /// `mask`: a key-validity input.
-    Attention { mask: bool },
+    /// `mask`: a key-validity input; `dm`: 0 for a workgroup per query, else tiles of queries
+    /// and keys in workgroup memory with rows of `dm` floats (the head dim rounded up to 4).
+    Attention { mask: bool, dm: u32 },
     Scatter,
 }
 
@@ -41,7 +62,11 @@ fn name(spec: &KernelSpec) -> Option<String> {
         VisionKernel::Rope2d => "rope_2d".into(),
         VisionKernel::Pool => "avg_pool".into(),
         VisionKernel::LayerNorm { w, b } => format!("layer_norm[{}{}]", w.name(), b.map_or(String::new(), |b| format!(" bias {}", b.name()))),
-        VisionKernel::Attention { mask } => format!("full_attention{}", if *mask { "[mask]" } else { "" }),
+        VisionKernel::Attention { mask, dm } => format!(
+            "full_attention{}{}",
+            if *mask { "[mask]" } else { "" },
+            if *dm > 0 { format!("[tiled d{dm}]") } else { String::new() }
+        ),
         VisionKernel::Scatter => "scatter".into(),
     })
 }
@@ -59,7 +84,13 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .c("BDT", b.map_or(2, dt_code))
             .flag("LNORM", true)
             .flag("HAS_B", b.is_some()),
-        VisionKernel::Attention { mask } => src.c("WG", ROW_WG).flag("ATTN", true).flag("MASK", mask),
+        VisionKernel::Attention { mask, dm } => src
+            .c("WG", if dm > 0 { TILED_WG } else { ROW_WG })
+            .c("DM", dm.max(4))
+            .c("DJ", dm.max(4) / 4)
+            .flag("ATTN", true)
+            .flag("TILED", dm > 0)
+            .flag("MASK", mask),
         VisionKernel::Scatter => src.c("WG", ELEM_WG).flag("SCATTER", true),
     })
 }
@@ -71,8 +102,10 @@ fn variants() -> Vec<KernelSpec> {
         VisionKernel::Pool,
         VisionKernel::LayerNorm { w: FloatType::F16, b: Some(FloatType::Bf16) },
         VisionKernel::LayerNorm { w: FloatType::F32, b: None },
-        VisionKernel::Attention { mask: false },
-        VisionKernel::Attention { mask: true },
+        VisionKernel::Attention { mask: false, dm: 0 },
+        VisionKernel::Attention { mask: true, dm: 0 },
+        VisionKernel::Attention { mask: false, dm: 72 },
+        VisionKernel::Attention { mask: true, dm: 64 },
         VisionKernel::Scatter,
     ]
     .into_iter()
@@ -160,7 +193,9 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             if mask {
                 binds.push((5, cx.input(3)?));
             }
-            (VisionKernel::Attention { mask }, p, binds, grid(rows as u64, maxg))
+            let dm = tiled_dm(d, cx.kernels.limits.max_compute_workgroup_storage_size);
+            let groups = if dm > 0 { grid((div_ceil(shape[0], TILED_QT) * shape[1]) as u64, maxg) } else { grid(rows as u64, maxg) };
+            (VisionKernel::Attention { mask, dm }, p, binds, groups)
         }
         Op::Scatter => {
             let d = shape[1];
