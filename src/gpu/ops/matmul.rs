@@ -487,12 +487,13 @@ impl Kernels {
     /// accumulators a workgroup holds). The token groups of a row group are neighbouring
     /// workgroups, so that they read the same weights at about the same time.
     pub fn matmul_rowwise(&self, fmt: GpuFormat, k: usize, t: usize) -> Result<MatMulKernel, GpuError> {
-        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
-        let tt = if t >= 4 { env_u32("MARKBASE_ROW_TT").unwrap_or(ROW_TT).clamp(2, 8) } else { 2 };
-        let heavy = matches!(fmt, GpuFormat::Mxfp4 | GpuFormat::Mxfp8 | GpuFormat::Nvfp4 { .. });
-        let rows = env_u32("MARKBASE_GEMV_ROWS").unwrap_or(if heavy { 2 } else { 4 });
-        let wg = self.gemv_wg(k, 2, false, false);
-        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather: false, xvec: k % 32 == 0, bp2: false, norm: None, dual: false, half: false })
+        // the GEMV of two tokens (its rows per workgroup and workgroup size are those of every
+        // several-token GEMV), with the token group of this row count
+        let mut spec = self.matmul_spec_for(fmt, k, 2, false, None, None)?;
+        if let (KernelSpec::Gemv { tt, .. }, true) = (&mut spec, t >= 4) {
+            *tt = env_u32("MARKBASE_ROW_TT").unwrap_or(ROW_TT).clamp(2, 8);
+        }
+        self.matmul_spec(spec)
     }
 
     /// `Op::GroupedMatMul`: the expert-grouped GEMM over an expert stack with rows of `k`.
