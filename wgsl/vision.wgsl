@@ -9,8 +9,8 @@
 //           with an online softmax, so a tile's scores are all that is ever held; keys whose
 //           valid word is 0 (MASK) are skipped
 //
-// Prelude consts: WG, LDT/HDT/WDT/BDT (0 bf16, 1 f16, 2 f32); DM, DJ (ATTN with TILED: the
-// head dim rounded up to 4, and a quarter of it). Flags: one op flag; HAS_B (LNORM), MASK and
+// Prelude consts: WG, LDT/HDT/WDT/BDT (0 bf16, 1 f16, 2 f32); DM, DJ, QT, KT (ATTN with
+// TILED: the head dim rounded up to 4, a quarter of it, queries and keys per tile). Flags: one op flag; HAS_B (LNORM), MASK and
 // TILED (ATTN).
 // Bindings: 0 params, 1 x (ATTN: q), 2 out, then CLAMP 3 lo 4 hi; ROPE2D 3 px 4 py; LNORM 3 w
 // 4 b; ATTN 3 k 4 v 5 valid; SCATTER 3 rows 4 src.
@@ -176,8 +176,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
 // once per query. Invocation lid computes the scores of query lid / 4 with keys 4 (lid % 4) ..
 // + 3 of the tile, and the output dims lid % 4 + 4 j of the same query; the row's online
 // softmax (running max, sum, correction) is kept by invocations 0 .. QT - 1.
-const QT: u32 = 32u;
-const KT: u32 = 16u;
+// (QT = WG / 4 and KT = 16 come from the prelude: each query has 4 invocations, each taking 4
+// keys of the tile.)
 var<workgroup> qt_s: array<f32, QT * DM>;
 var<workgroup> kt_s: array<f32, KT * DM>;
 var<workgroup> vt_s: array<f32, KT * DM>;
@@ -186,7 +186,7 @@ var<workgroup> m_s: array<f32, QT>;
 var<workgroup> l_s: array<f32, QT>;
 var<workgroup> c_s: array<f32, QT>;
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(WG)
 fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -202,7 +202,7 @@ fn main(
         let h = wt % p.heads;
         let t0 = (wt / p.heads) * QT;
         let kh = h / group;
-        for (var idx = lid; idx < QT * d; idx += 128u) {
+        for (var idx = lid; idx < QT * d; idx += WG) {
             let t = t0 + idx / d;
             var q = 0.0;
             if t < nt {
@@ -220,7 +220,7 @@ fn main(
         }
         for (var s0 = 0u; s0 < p.s; s0 += KT) {
             workgroupBarrier();
-            for (var idx = lid; idx < KT * d; idx += 128u) {
+            for (var idx = lid; idx < KT * d; idx += WG) {
                 let s = s0 + idx / d;
                 var kv_k = 0.0;
                 var kv_v = 0.0;

@@ -18,11 +18,10 @@ const ROW_WG: u32 = 64;
 /// Largest head dim of the attention kernel, and timescales of the 2-D RoPE (D/4).
 pub const MAX_VISION_HEAD_DIM: usize = 256;
 
-/// Queries and keys per tile of the tiled attention (`vision.wgsl`'s QT and KT), its
-/// invocations, and the largest head dim it takes.
+/// Queries and keys per tile of the tiled attention (`vision.wgsl`'s QT and KT: 4 invocations
+/// per query, 4 keys each), and the largest head dim it takes.
 const TILED_QT: usize = 32;
 const TILED_KT: usize = 16;
-const TILED_WG: u32 = 128;
 const TILED_MAX_D: usize = 128;
 
 /// The row width in workgroup memory of the tiled attention over heads of `d` (`d` rounded up
@@ -85,9 +84,11 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .flag("LNORM", true)
             .flag("HAS_B", b.is_some()),
         VisionKernel::Attention { mask, dm } => src
-            .c("WG", if dm > 0 { TILED_WG } else { ROW_WG })
+            .c("WG", if dm > 0 { 4 * TILED_QT as u32 } else { ROW_WG })
             .c("DM", dm.max(4))
             .c("DJ", dm.max(4) / 4)
+            .c("QT", TILED_QT as u32)
+            .c("KT", TILED_KT as u32)
             .flag("ATTN", true)
             .flag("TILED", dm > 0)
             .flag("MASK", mask),
