@@ -790,11 +790,11 @@ pub(crate) fn step_rows(p: &ImagePrompt, start: usize, n: usize, p0: usize) -> S
     StepRows { tokens: p.tokens[start..start + n].to_vec(), soft_rows, soft_index, attend_until }
 }
 
-/// The prefill graph of one full chunk (at least 2 tokens), whose buffers a load checks.
-/// The prefill step the load-time memory check sizes: a chunk whose last position's logits are
-/// kept, as generation and serving run it (a graph of every position's logits, `logits`' and
-/// the tests', is checked against the adapter's limits when its buffers are made: a chunk of
-/// 2,048 tokens over a vocabulary of 262,144 is 2 GiB of logits alone).
+/// The prefill graph whose buffers a load checks: one full chunk (at least 2 tokens) whose
+/// last position's logits are kept, as generation and serving run it (a graph of every
+/// position's logits, `logits`' and the tests', is checked against the adapter's limits when
+/// its buffers are made: a chunk of 2,048 tokens over a vocabulary of 262,144 is 2 GiB of
+/// logits alone).
 fn prefill_options(max_context: usize, chunk: usize) -> BuildOptions {
     let mut o = BuildOptions::prefill(chunk.max(2), max_context.max(2));
     o.chunk = chunk.max(2);
