@@ -252,7 +252,7 @@ impl GpuExecutor {
                 _ => None,
             }
         };
-        let env = LowerEnv { gpu: &self.gpu, kernels: &self.kernels, graph: g, mats: &self.mats, vecs: &self.vecs, values: &buf, chunks: &chunks };
+        let env = LowerEnv { gpu: &self.gpu, kernels: &self.kernels, graph: g, mats: &self.mats, vecs: &self.vecs, values: &buf, chunks: &chunks, row_batch: g.row_batch() };
         let mut acc = Lowered::default();
         let mut phases: Vec<Vec<Dispatch>> = vec![];
         for ph in &c.schedule.phases {

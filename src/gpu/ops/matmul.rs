@@ -843,7 +843,7 @@ impl MatMulKernel {
 /// one dispatch per chunk of `w`.
 pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
-    let k = if cx.graph.row_batch() {
+    let k = if cx.row_batch {
         kernels.matmul_rowwise(w.format, w.k, rows)
     } else {
         kernels.matmul_rows(w.format, w.k, w.rows, rows, false)

@@ -83,6 +83,9 @@ pub(crate) struct LowerEnv<'a> {
     /// The chunks of a node's value, where it is a KV cache split across bindings
     /// ([`super::kv`]); `None` for every other value.
     pub chunks: &'a dyn Fn(NodeIndex) -> Option<KvChunks>,
+    /// Whether the graph is a batch's decode step ([`Graph::row_batch`], found once per graph):
+    /// its matmuls keep each row's sums independent of the other rows.
+    pub row_batch: bool,
 }
 
 /// What lowering a graph produces besides its bind groups.
@@ -127,6 +130,8 @@ pub(crate) struct LowerCtx<'a> {
     pub node: &'a Node,
     pub op: &'a Op,
     pub ins: Vec<NodeIndex>,
+    /// [`LowerEnv::row_batch`].
+    pub row_batch: bool,
 }
 
 impl<'a> LowerCtx<'a> {
@@ -147,6 +152,7 @@ impl<'a> LowerCtx<'a> {
             node,
             op,
             ins: env.graph.inputs(n),
+            row_batch: env.row_batch,
         })
     }
 
