@@ -35,6 +35,7 @@ use markbase_graph::passes::Compiled;
 use crate::cpu::exec::StepInputs;
 use crate::engine::{prefill_steps, step_rows, Engine, Error, SampleParams, StepRows};
 use crate::exec::{Executor, GraphKey, StepOutput};
+use crate::gpu::runtime::{Profile, ProfileResult};
 use crate::vision::encode::ImagePrompt;
 
 /// Most sequences of a batch on a GPU: the decode graphs' rows stay within one 64-row tile of
@@ -129,6 +130,21 @@ impl Batch {
     /// fewest.
     pub fn rows_for(&self, n: usize) -> usize {
         n.max(self.min_rows).next_power_of_two()
+    }
+
+    /// The compiled graph of a decode step of `n` sequences (benchmarks, profiles).
+    pub fn decode_graph(&mut self, n: usize) -> Result<Arc<Compiled>, Error> {
+        self.graph(GraphKey { tokens: self.rows_for(n), all_logits: true, sample: false, images: false })
+    }
+
+    /// Sets timestamp profiling of the following steps (GPU); false where there is none.
+    pub fn set_profile(&mut self, p: Profile) -> bool {
+        self.exec.set_profile(p)
+    }
+
+    /// Times of the last profiled step (GPU).
+    pub fn profile(&self) -> Option<ProfileResult> {
+        self.exec.profile()
     }
 
     fn graph(&mut self, key: GraphKey) -> Result<Arc<Compiled>, Error> {

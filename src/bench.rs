@@ -31,6 +31,9 @@ pub struct BenchOptions {
     pub fuse: markbase_graph::FuseOptions,
     /// Soft tokens of the images a vision model encodes (Gemma 4; empty: 280 and 1,120).
     pub image_tokens: Vec<usize>,
+    /// Instead of prefill and decode: a batch's decode step at each of these sequence counts
+    /// ([`crate::bench_batch`]).
+    pub batch: Vec<usize>,
 }
 
 /// Bytes of weights a decode step reads: every matrix a MatMul multiplies by in

@@ -536,6 +536,9 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
         Some("all") => vec![],
         b => vec![parse_device(b)?],
     };
+    if !o.batch.is_empty() {
+        return bench_batch(model, synthetic, &devices, &o, json);
+    }
     // the vision tower's image sizes are checked before any weight is made
     let vision_shape = match synthetic {
         Some(name) => crate::synthetic::vision_config(name)?,
@@ -610,6 +613,37 @@ pub fn bench(model: Option<&Path>, synthetic: Option<&str>, backend: Option<&str
     let _ = stdout.flush();
     if rows.iter().all(|r| r.get("error").is_some()) {
         return Err(format!("no backend ran ({} failed)", rows.len()));
+    }
+    Ok(())
+}
+
+/// `markbase bench --batch`: a batch's decode step at each sequence count, on one backend.
+fn bench_batch(model: Option<&Path>, synthetic: Option<&str>, devices: &[DeviceKind], o: &crate::bench::BenchOptions, json: bool) -> Result<(), String> {
+    let &[device] = devices else { return Err("--batch runs on one backend, not all".into()) };
+    if let Some(&b) = o.batch.iter().find(|&&b| b == 0 || (b > crate::batch::MAX_GPU_SLOTS && device != DeviceKind::Cpu)) {
+        return Err(format!("--batch: {b} sequences (1 to {} on a GPU)", crate::batch::MAX_GPU_SLOTS));
+    }
+    let (name, cfg, weights) = crate::bench::source(model, synthetic)?;
+    let rows = crate::bench_batch::bench_batch(&cfg, weights, device, &o.batch, o.prompt, o.gen, o.runs, o.profile)?;
+    if json {
+        println!("{}", serde_json::json!({"model": name, "device": device_name(device), "batch": rows}));
+    } else {
+        println!("{name} on {}: a batch's decode step", device_name(device));
+        println!("| sequences | rows | ms per step | tok/s |");
+        println!("|---:|---:|---:|---:|");
+        for r in &rows {
+            println!("| {} | {} | {:.2} | {:.1} |", r["sequences"], r["rows"], r["step_ms_median"].as_f64().unwrap_or(0.0), r["tok_s"].as_f64().unwrap_or(0.0));
+        }
+        if o.profile {
+            for r in &rows {
+                if let Some(ops) = r["gpu_profile_by_op"].as_array() {
+                    println!("\nprofile of a step of {} sequences ({:.3} ms):", r["sequences"], r["gpu_profile_total_ms"].as_f64().unwrap_or(0.0));
+                    for op in ops {
+                        println!("  {:>9.3} ms  {:>4}x  {}", op["ms"].as_f64().unwrap_or(0.0), op["dispatches"], op["op"].as_str().unwrap_or(""));
+                    }
+                }
+            }
+        }
     }
     Ok(())
 }

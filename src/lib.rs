@@ -5,6 +5,7 @@
 pub mod audio;
 pub mod batch;
 pub mod bench;
+pub mod bench_batch;
 pub mod bench_vision;
 pub mod cli;
 pub mod cpu;

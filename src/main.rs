@@ -211,6 +211,11 @@ enum Cmd {
         /// token of it and 32 text tokens.
         #[arg(long = "image-tokens", value_delimiter = ',')]
         image_tokens: Vec<usize>,
+        /// Instead: time the decode step of a batch of this many sequences (a row each, as
+        /// `serve` runs them; comma-separated counts, each up to 64 on a GPU), after a prompt of
+        /// up to 64 tokens each.
+        #[arg(long = "batch", value_delimiter = ',')]
+        batch: Vec<usize>,
         #[command(flatten)]
         fuse: FuseArgs,
     },
@@ -369,8 +374,8 @@ fn main() -> ExitCode {
                 .and_then(|()| Ok((cli::read_images(&run.model, &images)?, markbase::audio::encode::read_clips(&run.model, &audio)?)))
                 .and_then(|(imgs, clips)| load(&run, true).and_then(|mut m| cli::chat(&mut m, &o, system.as_deref(), imgs, clips)))
         }
-        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, image_tokens, fuse } => fuse.options().and_then(|fuse| {
-            let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse, image_tokens };
+        Cmd::Bench { model, synthetic, prompt, gen, runs, backend, bandwidth, profile, json, image_tokens, batch, fuse } => fuse.options().and_then(|fuse| {
+            let o = markbase::bench::BenchOptions { prompt, gen, runs, bandwidth, profile, fuse, image_tokens, batch };
             cli::bench(model.as_deref(), synthetic.as_deref(), backend.as_deref(), o, json)
         }),
         Cmd::Serve(args) => markbase::server::serve(args),

@@ -578,24 +578,39 @@ fn main(
             }
 //#endif
 //#else
-            // several tokens: R x TT accumulators
-            var acc: array<f32, RT>;
+            // several tokens: R x TT scalar sums, everything unrolled. Each step holds its block
+            // of every token's activations (loaded once) and decodes each row's block once,
+            // multiplying it with every token's; a sum's arithmetic is that of its (row, token)
+            // alone, whatever R and TT are.
+//#repeat R r
+//#repeat TT t
+            var acc$r_$t = 0.0;
+//#endrepeat
+//#endrepeat
             for (var blk = lid; blk < nb; blk += WG) {
-                for (var r = 0u; r < R; r++) {
-                    let row = min(r0 + r, p.rows - 1u);
-                    let d = dq_blk(wbase + row, blk, K);
-                    for (var t = 0u; t < TT; t++) {
-                        let xt = load_x(min(t0 + t, p.T - 1u), blk, K);
-                        acc[r * TT + t] += blk_dot(d, xt, xsum(xt));
-                    }
-                }
+//#repeat TT t
+                let xv$t = load_x(min(t0 + $tu, p.T - 1u), blk, K);
+                let xs$t = xsum(xv$t);
+//#endrepeat
+//#repeat R r
+                let d$r = dq_blk(wbase + min(r0 + $ru, p.rows - 1u), blk, K);
+//#repeat TT t
+                acc$r_$t += blk_dot(d$r, xv$t, xs$t);
+//#endrepeat
+//#endrepeat
             }
 //#if SUBGROUP
-            for (var i = 0u; i < RT; i++) {
-                let s = subgroupAdd(acc[i]);
-                if g_sg_lane == 0u {
-                    red_g[g_sg_id * RT + i] = s;
-                }
+//#repeat R r
+//#repeat TT t
+            let s$r_$t = subgroupAdd(acc$r_$t);
+//#endrepeat
+//#endrepeat
+            if g_sg_lane == 0u {
+//#repeat R r
+//#repeat TT t
+                red_g[g_sg_id * RT + $ru * TT + $tu] = s$r_$t;
+//#endrepeat
+//#endrepeat
             }
             workgroupBarrier();
             var tot = 0.0;
@@ -605,9 +620,11 @@ fn main(
                 }
             }
 //#else
-            for (var i = 0u; i < RT; i++) {
-                red_g[i * WG + lid] = acc[i];
-            }
+//#repeat R r
+//#repeat TT t
+            red_g[($ru * TT + $tu) * WG + lid] = acc$r_$t;
+//#endrepeat
+//#endrepeat
             workgroupBarrier();
             for (var s = WG / 2u; s > 0u; s >>= 1u) {
                 if lid < s {
