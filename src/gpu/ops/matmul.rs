@@ -24,6 +24,11 @@ pub const GEMM_MIN_T: usize = 8;
 /// Tokens per workgroup of a batch decode step's GEMV from 4 rows on
 /// ([`Kernels::matmul_rowwise`]; `MARKBASE_ROW_TT` overrides, 2 to 8).
 pub const ROW_TT: u32 = 4;
+/// Weight rows per workgroup of a batch decode step's GEMV (formats whose decoders allow more
+/// than two): measured on an H100 (Gemma 3 12B, before the activations were staged), 8 rows
+/// against 4: a step of 2 rows 16.5 ms against 19.3, 16 rows 65.1 against 82.7, 64 rows 226
+/// against 291.
+pub const ROW_R: u32 = 8;
 /// The GEMM takes 128-row tiles when that still makes this many tiles (`MARKBASE_GEMM_WIDE=0|1`
 /// overrides). Measured on the H200 (affine 4-bit, µs): 512 tokens x 3840 rows (240 wide tiles)
 /// 2317 against 2834 at 64 rows; 128 x 8192 (128) 337 against 358; 128 x 3840 (60) 1332 against
@@ -191,6 +196,12 @@ fn gemv_wg_capped(wg: u32, cap: u32) -> u32 {
 
 pub(crate) const FAMILY: Family = Family { name, source, variants };
 
+/// Whether a GEMV's activations pass through workgroup memory (gemv.wgsl's XSTAGE): several
+/// tokens, not gathered, rows of whole blocks (`MARKBASE_ROW_XSTAGE=0` turns it off).
+fn gemv_xstage(gather: bool, tt: u32, xvec: bool) -> bool {
+    !gather && tt > 1 && xvec && env_on("MARKBASE_ROW_XSTAGE")
+}
+
 /// Whether a GEMV walks its token groups along the grid's x (gemv.wgsl's TOKX): several
 /// tokens, not gathered.
 fn gemv_tokx(gather: bool, tt: u32) -> bool {
@@ -247,6 +258,7 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("XVEC", xvec)
                 .flag("TT1", tt == 1)
                 .flag("TOKX", gemv_tokx(gather, tt))
+                .flag("XSTAGE", gemv_xstage(gather, tt, xvec))
                 .flag("BP2", bp2 && tt == 1)
                 .flag("HALF", half);
             // half blocks read their weights in 8-byte words
@@ -269,6 +281,7 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("XVEC", xvec)
                 .flag("TT1", true)
                 .flag("TOKX", false)
+                .flag("XSTAGE", false)
                 .flag("BP2", false)
                 .flag("HALF", half)
                 .flag("CAT", true)
@@ -490,8 +503,14 @@ impl Kernels {
         // the GEMV of two tokens (its rows per workgroup and workgroup size are those of every
         // several-token GEMV), with the token group of this row count
         let mut spec = self.matmul_spec_for(fmt, k, 2, false, None, None)?;
-        if let (KernelSpec::Gemv { tt, .. }, true) = (&mut spec, t >= 4) {
-            *tt = env_u32("MARKBASE_ROW_TT").unwrap_or(ROW_TT).clamp(2, 8);
+        if let KernelSpec::Gemv { tt, rows, .. } = &mut spec {
+            if t >= 4 {
+                *tt = env_u32("MARKBASE_ROW_TT").unwrap_or(ROW_TT).clamp(2, 8);
+            }
+            // the decoders light enough for four rows take eight
+            if *rows == 4 && env_u32("MARKBASE_GEMV_ROWS").is_none() {
+                *rows = ROW_R;
+            }
         }
         self.matmul_spec(spec)
     }
