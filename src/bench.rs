@@ -256,8 +256,16 @@ pub fn bench_one(name: &str, config: &ModelConfig, weights: Arc<Weights>, device
 /// format and weights without their layer index (a fused GEMV names each of its weights):
 /// the total seconds and one `{op, ms, dispatches, share}` per label.
 pub(crate) fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>) {
+    ops_by_weight_kernels(c, p, None)
+}
+
+/// [`ops_by_weight`], each row with the names of the kernels its dispatches ran (`kernels`: the
+/// kernel of each dispatch, in execution order, as the executor lists them).
+pub(crate) fn ops_by_weight_kernels(c: &Compiled, p: &ProfileResult, kernels: Option<&[(petgraph::graph::NodeIndex, String)]>) -> (f64, Vec<Value>) {
     let mut by_op: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    for (n, s) in &p.dispatches {
+    let mut names: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let kernels = kernels.filter(|k| k.len() == p.dispatches.len());
+    for (i, (n, s)) in p.dispatches.iter().enumerate() {
         let node = c.graph.node(*n);
         let mut label = node.op().map(|o| o.name().to_string()).unwrap_or_default();
         let ws: Vec<(String, String)> = c
@@ -273,12 +281,27 @@ pub(crate) fn ops_by_weight(c: &Compiled, p: &ProfileResult) -> (f64, Vec<Value>
             let names: Vec<&str> = ws.iter().map(|w| w.1.as_str()).collect();
             label = format!("{label} [{fmt}] {}", names.join("+"));
         }
+        if let Some(k) = kernels.and_then(|k| k.get(i)).filter(|k| k.0 == *n) {
+            let v = names.entry(label.clone()).or_default();
+            if !v.contains(&k.1) {
+                v.push(k.1.clone());
+            }
+        }
         let e = by_op.entry(label).or_insert((0.0, 0));
         e.0 += s;
         e.1 += 1;
     }
     let total: f64 = p.dispatches.iter().map(|d| d.1).sum();
-    let rows = by_op.iter().map(|(k, (s, n))| json!({"op": k, "ms": s * 1e3, "dispatches": n, "share": s / total.max(1e-12)})).collect();
+    let rows = by_op
+        .iter()
+        .map(|(k, (s, n))| {
+            let mut row = json!({"op": k, "ms": s * 1e3, "dispatches": n, "share": s / total.max(1e-12)});
+            if let Some(ks) = names.get(k) {
+                row["kernels"] = json!(ks);
+            }
+            row
+        })
+        .collect();
     (total, rows)
 }
 

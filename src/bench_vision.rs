@@ -182,7 +182,11 @@ pub fn bench_images(cfg: &ModelConfig, text_weights: Arc<Weights>, v: &VisionSou
             runner.soft(&c, &step).map_err(|e| e.to_string())?;
             if let Runner::Gpu(g) = &mut runner {
                 if let Some(p) = g.profile() {
-                    let (total, by_op) = crate::bench::ops_by_weight(&c, &p);
+                    // with each op's kernels (the attention's: `full_attention_f16[...]` on the
+                    // f16 tiles, `full_attention[...]` in f32)
+                    let key = crate::exec::GraphKey { tokens: c.graph.tokens, all_logits: true, sample: false, images: false };
+                    let kernels = g.dispatch_kernels(key);
+                    let (total, by_op) = crate::bench::ops_by_weight_kernels(&c, &p, kernels.as_deref());
                     let last = recs.len() - 1;
                     recs[last]["encode_profile_total_ms"] = json!(total * 1e3);
                     recs[last]["encode_profile_by_op"] = json!(by_op);

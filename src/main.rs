@@ -41,8 +41,9 @@ struct FuseArgs {
     /// attention_rope, geglu, kv_append.
     #[arg(long, value_name = "RULES", num_args = 0..=1, require_equals = true, default_missing_value = "all")]
     no_fuse: Option<String>,
-    /// Prefill GEMMs in f32 on the shader cores, not in f16 tiles on cooperative matrices
-    /// (tensor cores) where the adapter has them (the same as MARKBASE_COOP=0).
+    /// Prefill GEMMs and the vision towers' attention in f32 on the shader cores, not in f16
+    /// tiles on cooperative matrices (tensor cores) where the adapter has them (the same as
+    /// MARKBASE_COOP=0).
     #[arg(long)]
     no_coop: bool,
 }

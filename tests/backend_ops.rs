@@ -845,6 +845,40 @@ fn vision(cs: &mut Cases) {
             (cx.b.op(Op::FullAttention { scale: 1.0 / (d as f32).sqrt() }, &ins), q)
         });
     }
+    // the f16 attention's shapes (`vision_attn_coop.wgsl`, where MARKBASE_COOP names the f16
+    // kernels: the FMA twin with `fma`): tokens off its tiles of 64 queries and 32 keys, head dims
+    // padded to 16s, grouped kv heads, masks (every 5th key, every key: zeros, all but the last),
+    // queries and keys far past f16's range
+    for (t, nq, nkv, d, mask, (aq, ak)) in [
+        (1usize, 2usize, 2usize, 72usize, 0u8, (1.0f32, 1.0f32)),
+        (17, 2, 1, 16, 1, (1.0, 1.0)),
+        (100, 4, 2, 80, 1, (1.0, 1.0)),
+        (257, 2, 2, 72, 1, (1.0, 1.0)),
+        (45, 2, 2, 128, 0, (1.0, 1.0)),
+        (33, 3, 1, 40, 2, (1.0, 1.0)),
+        (40, 2, 1, 64, 3, (1.0, 1.0)),
+        (66, 2, 1, 72, 1, (1e4, 1e-4)),
+        (66, 2, 2, 72, 0, (3e4, 3e4)),
+    ] {
+        let desc = format!("q f32[{t}, {nq}, {d}] kv [{t}, {nkv}, {d}] mask {} |q| {aq:e} |k| {ak:e}", ["none", "5th", "all", "last only"][mask as usize]);
+        cs.add("full_attention", desc, t, ATTENTION, |cx| {
+            let q = cx.b.act(&[t, nq, d], aq);
+            let k = cx.b.act(&[t, nkv, d], ak);
+            let v = cx.b.act(&[t, nkv, d], 1.0);
+            cx.flops = (4 * t * t * nq * d) as f64;
+            let mut ins = vec![q, k, v];
+            if mask > 0 {
+                // keys with token id 0 are padding
+                for i in 0..t {
+                    if (mask == 1 && i % 5 == 0) || mask == 2 || (mask == 3 && i + 1 < t) {
+                        cx.tokens[i] = 0;
+                    }
+                }
+                ins.push(cx.b.tokens);
+            }
+            (cx.b.op(Op::FullAttention { scale: 1.0 / (d as f32).sqrt() }, &ins), q)
+        });
+    }
     for (rows, cols, k, d) in [(6usize, 9usize, 3usize, 40usize), (8, 4, 4, 24), (3, 5, 1, 7)] {
         let t = rows * cols;
         cs.add("avg_pool", format!("grid {rows}x{cols} k {k} x f32[{t}, {d}]"), t, NORM, |cx| {

@@ -139,7 +139,7 @@ fn params_of(spec: &KernelSpec) -> Vec<(u32, Layout)> {
         KernelSpec::MoeGroup => vec![(0, rust::<MoeGroupParams>())],
         KernelSpec::Copy => vec![(0, rust::<CopyParams>())],
         KernelSpec::Argmax { .. } | KernelSpec::Sample { .. } => vec![(0, rust::<ArgmaxParams>())],
-        KernelSpec::Vision(_) => vec![(0, rust::<VisionParams>())],
+        KernelSpec::Vision(_) | KernelSpec::VisionAttnF16 { .. } => vec![(0, rust::<VisionParams>())],
         KernelSpec::Audio(_) => vec![(0, rust::<AudioParams>())],
         KernelSpec::Batched { .. } => vec![(0, rust::<BatchedParams>())],
     }

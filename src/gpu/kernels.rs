@@ -165,6 +165,12 @@ pub enum KernelSpec {
     Sample { stage: u32 },
     /// The vision towers' ops (`vision.wgsl`).
     Vision(super::ops::vision::VisionKernel),
+    /// The vision towers' attention on f16 tiles (`vision_attn_coop.wgsl`): `coop` on
+    /// cooperative matrices, else its FMA twin; heads padded to `16 d16`; `kt` keys per tile (16
+    /// or 32); `hilo_p`, `hilo_v`: the weights and V as hi + lo f16 pairs; `mask`: a key-validity
+    /// input; `v4`: vec4 loads (the head dim a multiple of 4); `pf`: the next key tile's loads
+    /// in flight during the P V products. See [`super::ops::vision_coop`].
+    VisionAttnF16 { coop: bool, mask: bool, d16: u8, kt: u8, hilo_p: bool, hilo_v: bool, v4: bool, pf: bool },
     /// The audio tower's ops (`audio.wgsl`).
     Audio(super::ops::audio::AudioKernel),
 }

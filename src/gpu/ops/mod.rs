@@ -32,6 +32,7 @@ pub mod rope;
 pub mod routing;
 pub mod sample;
 pub mod vision;
+pub mod vision_coop;
 
 /// A kernel family's part of [`KernelSpec`]: each function answers `None` for the specs of
 /// other families.
@@ -57,6 +58,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     argmax::FAMILY,
     batched::FAMILY,
     vision::FAMILY,
+    vision_coop::FAMILY,
     audio::FAMILY,
 ];
 

@@ -1,5 +1,6 @@
 //! The vision towers' ops (`vision.wgsl`): clamp, 2-D RoPE, average pooling, LayerNorm, the
-//! tiled bidirectional attention, and the scatter of soft-token rows into embeddings.
+//! tiled bidirectional attention, and the scatter of soft-token rows into embeddings. The
+//! attention takes the f16 kernel of [`super::vision_coop`] instead where it runs.
 
 use bytemuck::{Pod, Zeroable};
 use markbase_graph::ops::Op;
@@ -193,6 +194,10 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let mask = cx.ins.len() > 3;
             if mask {
                 binds.push((5, cx.input(3)?));
+            }
+            if let Some(spec) = super::vision_coop::spec_for(cx.kernels, d, mask) {
+                let groups = super::vision_coop::groups(shape[0], shape[1], maxg);
+                return cx.push_one(spec, bytemuck::bytes_of(&p), &binds, groups);
             }
             let dm = tiled_dm(d, cx.kernels.limits.max_compute_workgroup_storage_size);
             let groups = if dm > 0 { grid((div_ceil(shape[0], TILED_QT) * shape[1]) as u64, maxg) } else { grid(rows as u64, maxg) };
