@@ -21,7 +21,14 @@ const ROWS: [usize; 5] = [2, 4, 8, 16, 64];
 #[test]
 fn rowwise_gemv_rows_do_not_depend_on_the_row_count() {
     let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
-    let ks = Kernels::new(&gpu, KernelOptions::for_gpu(&gpu)).unwrap();
+    // whole blocks and half blocks (the default on GPUs that are not software rasterizers)
+    for half_blocks in [false, true] {
+        let ks = Kernels::new(&gpu, KernelOptions { half_blocks, ..KernelOptions::for_gpu(&gpu) }).unwrap();
+        rows_identical(&gpu, &ks);
+    }
+}
+
+fn rows_identical(gpu: &Gpu, ks: &Kernels) {
     let mut r = rng("gemv_rows");
     let affine = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
     for (fmt, n, k, chunks) in [(affine, 37, 3840, 1), (GpuFormat::Mxfp4, 21, 2816, 1), (GpuFormat::Float(FloatType::Bf16), 19, 1152, 2), (GpuFormat::Float(FloatType::F32), 11, 200, 1)] {
@@ -59,6 +66,7 @@ fn rowwise_gemv_rows_do_not_depend_on_the_row_count() {
                 assert!(a.to_bits() == b.to_bits(), "{} N={n} K={k}: row {} column {} at {t} rows is {a}, at {tmax} rows {b}", fmt.describe(), i / n, i % n);
             }
         }
-        println!("{} N={n} K={k} chunks {}: rows identical to the bit at {ROWS:?} rows", fmt.describe(), gw.chunks.len());
+        let half = matches!(ks.matmul_rowwise(fmt, k, 2).unwrap().spec, KernelSpec::Gemv { half: true, .. });
+        println!("{} N={n} K={k} chunks {} half blocks {half}: rows identical to the bit at {ROWS:?} rows", fmt.describe(), gw.chunks.len());
     }
 }

@@ -21,7 +21,7 @@
 // Prelude consts: WG, R, TT, RS (reduction slots per invocation: R * TT, twice that with
 // DUAL), RS2 .. RS16 (RS / 2 .. RS / 16), RED_N (= RS * WG), NDT (norm weight dtype: 0 bf16,
 // 1 f16, 2 f32); weight consts (weights.wgsl).
-// HALF (one token, affine 4-bit, XVEC, not DUAL): two invocations per block, invocation h
+// HALF (affine 4-bit, XVEC, not DUAL; several tokens: not GATHER): two invocations per block, invocation h
 // taking elements 16h..16h+15: words 2h and 2h + 1 of the block's four (one 8-byte load per
 // row, weights read as vec2<u32>: W_VEC2) and vec4s 4h..4h+3 of x. An invocation owning a whole
 // block (128 contiguous bytes of x) makes each vec4 activation load of a subgroup touch 32
@@ -34,9 +34,6 @@
 // lane handing half of its values to the lane across one bit of its index and keeping the sum of
 // the other half, then summing one value over the bits left: RS - 1 shuffles in all, plus
 // log2(subgroup / RS), where a subgroupAdd per sum costs RS * log2(subgroup).
-//
-// XSTAGE (several tokens, not GATHER, XVEC): the activations pass through workgroup memory
-// (stage_x), WG blocks of a token at a time.
 //
 // Flags: SUBGROUP, GATHER, XVEC (K % 32 == 0: unmasked vec4 activation loads), TT1, TOKX
 // (several tokens, not GATHER: token groups along the grid's x, row groups along y),
@@ -271,37 +268,6 @@ fn norm_xh(v: H4, blk: u32, h: u32) -> H4 {
 //#endif
 //#endif
 
-//#if XSTAGE
-// Blocks c0 .. c0 + WG of one token's activations, vec4 j of block b at b * 8 + (j ^ (b % 8)):
-// the eight invocations of a quarter subgroup reading vec4 j of their own blocks meet eight
-// different banks.
-var<workgroup> xsh: array<vec4<f32>, WG * 8u>;
-
-// Block c0 + lid of x row `xr` (zeros past the last block), through xsh (K % 32 == 0). Every
-// invocation of the workgroup calls it (two barriers).
-fn stage_x(xr: u32, c0: u32, nb: u32, lid: u32, K: u32) -> V8 {
-    workgroupBarrier();
-    let base = xr * (K >> 2u) + c0 * 8u;
-    let n = (nb - c0) * 8u;
-    for (var i = 0u; i < 8u; i++) {
-        let e = i * WG + lid;
-        let b = e >> 3u;
-        var v = vec4<f32>(0.0);
-        if e < n {
-            v = x[base + e];
-        }
-        xsh[b * 8u + ((e & 7u) ^ (b & 7u))] = v;
-    }
-    workgroupBarrier();
-    let o = lid * 8u;
-    let w = lid & 7u;
-    var r: V8;
-//#repeat 8 j
-    r.v$j = xsh[o + ($ju ^ w)];
-//#endrepeat
-    return r;
-}
-//#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -622,27 +588,21 @@ fn main(
             var acc$r_$t = 0.0;
 //#endrepeat
 //#endrepeat
-//#if XSTAGE
-            // each token's activations of the step's WG blocks pass through workgroup memory:
-            // loaded with consecutive invocations on consecutive vec4s, then read back a block
-            // per invocation (an invocation loading its own block makes each vec4 load of a
-            // subgroup touch a line per invocation)
-            for (var c0 = 0u; c0 < nb; c0 += WG) {
-                let blk = c0 + lid;
+//#if HALF
+            // half blocks (as one token's): a step holds 16 activations of each token
+            for (var hb = lid; hb < 2u * nb; hb += WG) {
+                let blk = hb >> 1u;
+                let h = hb & 1u;
 //#repeat TT t
-                let xv$t = stage_x(min(t0 + $tu, p.T - 1u), c0, nb, lid, K);
-//#endrepeat
-                if blk < nb {
-//#repeat TT t
-                    let xs$t = xsum(xv$t);
+                let xv$t = load_xh(min(t0 + $tu, p.T - 1u), blk, h, K);
+                let xs$t = xsum_h(xv$t);
 //#endrepeat
 //#repeat R r
-                    let d$r = dq_blk(wbase + min(r0 + $ru, p.rows - 1u), blk, K);
+                let d$r = dq_half(wbase + min(r0 + $ru, p.rows - 1u), blk, h, K);
 //#repeat TT t
-                    acc$r_$t += blk_dot(d$r, xv$t, xs$t);
+                acc$r_$t += blk_dot_h(d$r, xv$t, xs$t);
 //#endrepeat
 //#endrepeat
-                }
             }
 //#else
             for (var blk = lid; blk < nb; blk += WG) {

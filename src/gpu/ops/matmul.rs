@@ -25,9 +25,9 @@ pub const GEMM_MIN_T: usize = 8;
 /// ([`Kernels::matmul_rowwise`]; `MARKBASE_ROW_TT` overrides, 2 to 8).
 pub const ROW_TT: u32 = 4;
 /// Weight rows per workgroup of a batch decode step's GEMV (formats whose decoders allow more
-/// than two): measured on an H100 (Gemma 3 12B, before the activations were staged), 8 rows
-/// against 4: a step of 2 rows 16.5 ms against 19.3, 16 rows 65.1 against 82.7, 64 rows 226
-/// against 291.
+/// than two): measured on an H100 (Gemma 3 12B), 8 rows against 4: a step of 2 rows 16.5 ms
+/// against 19.3, 16 rows 65.1 against 82.7, 64 rows 226 against 291. (Staging the activations
+/// through workgroup memory, for coalesced loads, measured slower: 18.0 / 87.4 / 311 ms.)
 pub const ROW_R: u32 = 8;
 /// The GEMM takes 128-row tiles when that still makes this many tiles (`MARKBASE_GEMM_WIDE=0|1`
 /// overrides). Measured on the H200 (affine 4-bit, µs): 512 tokens x 3840 rows (240 wide tiles)
@@ -95,13 +95,15 @@ fn few_long_rows(n: usize, k: usize) -> bool {
     n.div_ceil(8) < GEMV_FEW_GROUPS && k >= GEMV_FEW_MIN_K && env_on("MARKBASE_GEMV_FEW")
 }
 
-/// Whether a GEMV walks half blocks: one token, affine 4-bit, K % 32 == 0, one block per step.
+/// Whether a GEMV walks half blocks: affine 4-bit, K % 32 == 0, one block per step.
 /// Two invocations share each 32-element block, each taking alternate runs of four elements,
 /// so that every vec4 load of activations by a subgroup reads whole 32-byte sectors (an
 /// invocation's own 128-byte block made each load touch as many lines as it has invocations).
 /// Not for the dual GEMV: it reads two weights per step, and whole blocks measured faster.
+/// Several tokens (not gathered: a batch's decode steps, short prompts) hold half as many
+/// activations per step that way, and take it too unless `MARKBASE_ROW_HALF=0`.
 fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
-    tt == 1 && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
+    (tt == 1 || env_on("MARKBASE_ROW_HALF")) && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
 }
 
 /// A GEMV's reduction consts for `rs` sums per invocation and `wg` invocations: RS, RS2 ..
@@ -196,12 +198,6 @@ fn gemv_wg_capped(wg: u32, cap: u32) -> u32 {
 
 pub(crate) const FAMILY: Family = Family { name, source, variants };
 
-/// Whether a GEMV's activations pass through workgroup memory (gemv.wgsl's XSTAGE): several
-/// tokens, not gathered, rows of whole blocks (`MARKBASE_ROW_XSTAGE=0` turns it off).
-fn gemv_xstage(gather: bool, tt: u32, xvec: bool) -> bool {
-    !gather && tt > 1 && xvec && env_on("MARKBASE_ROW_XSTAGE")
-}
-
 /// Whether a GEMV walks its token groups along the grid's x (gemv.wgsl's TOKX): several
 /// tokens, not gathered.
 fn gemv_tokx(gather: bool, tt: u32) -> bool {
@@ -258,7 +254,6 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("XVEC", xvec)
                 .flag("TT1", tt == 1)
                 .flag("TOKX", gemv_tokx(gather, tt))
-                .flag("XSTAGE", gemv_xstage(gather, tt, xvec))
                 .flag("BP2", bp2 && tt == 1)
                 .flag("HALF", half);
             // half blocks read their weights in 8-byte words
@@ -281,7 +276,6 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("XVEC", xvec)
                 .flag("TT1", true)
                 .flag("TOKX", false)
-                .flag("XSTAGE", false)
                 .flag("BP2", false)
                 .flag("HALF", half)
                 .flag("CAT", true)
