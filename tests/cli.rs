@@ -476,6 +476,25 @@ fn bench_refuses_what_it_cannot_do_and_says_so() {
     assert!(ok && out.lines().any(|l| l.contains("| cpu |") && l.contains('%')), "{out}{err}");
 }
 
+/// `bench --batch`: a batch's decode step timed at each sequence count on the GPU, its profile
+/// by op, and clear refusals.
+#[test]
+fn bench_batch_times_decode_steps_and_refuses_bad_counts() {
+    let tiny = ["bench", "--synthetic", "tiny-gemma3", "--prompt", "8", "--gen", "2", "--runs", "1"];
+    let (ok, out, err) = run(&[&tiny[..], &["--batch", "1,3", "--profile"]].concat());
+    assert!(ok, "{out}{err}");
+    // one sequence runs in a graph of 2 rows, 3 in one of 4
+    assert!(out.contains("| 1 | 2 |") && out.contains("| 3 | 4 |"), "{out}");
+    assert!(out.contains("profile of a step of 3 sequences") && out.contains("attention_batched"), "{out}");
+    let (ok, out, err) = run(&[&tiny[..], &["--batch", "2", "--json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    assert!(ok && v["batch"][0]["sequences"] == 2 && v["batch"][0]["tok_s"].as_f64().is_some_and(|t| t > 0.0), "{out}");
+    fails_with(&[&tiny[..], &["--batch", "0"]].concat(), "--batch: 0 sequences");
+    fails_with(&[&tiny[..], &["--batch", "65"]].concat(), "--batch: 65 sequences");
+    fails_with(&[&tiny[..], &["--batch", "2", "--backend", "all"]].concat(), "one backend");
+    fails_with(&[&tiny[..], &["--batch", "x"]].concat(), "invalid value");
+}
+
 #[test]
 fn chat_keeps_the_conversation_cached() {
     let dir = fixture_copy("chat", |d| {
