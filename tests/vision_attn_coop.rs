@@ -1,7 +1,9 @@
 //! The vision towers' attention on f16 tiles (`vision_attn_coop.wgsl`) against the CPU
 //! reference: its FMA twin on every adapter with f16 (CI's software rasterizer included), and
 //! the cooperative-matrix kernel itself where the adapter has 16 x 16 x 16 f16 -> f32
-//! cooperative matrices. Query and key counts off the tiles (1 .. 257), head dims 13 .. 128
+//! cooperative matrices (whatever the selection's default), in three variants: both products on
+//! cooperative matrices, S = Q K^T only, P V only (the other on the twin's FMA loop), each
+//! case's errors on one line, so that one run tells which product is wrong. Query and key counts off the tiles (1 .. 257), head dims 13 .. 128
 //! (padded to multiples of 16; without vec4 loads where D % 4 != 0), grouped kv heads, masks
 //! (none, partial, a whole key tile, all but one key, every key), and activations far past
 //! f16's range (queries 1e4 against keys 1e-4, values 1e5, huge scores).
@@ -27,6 +29,14 @@ use markbase::gpu::ops::gemm_f16::CoopMode;
 use markbase::gpu::ops::vision_coop;
 use rand::rngs::StdRng;
 use rand::Rng;
+use std::sync::Mutex;
+
+/// Held while `MARKBASE_VISION_ATTN_COOP` (read when a cooperative-matrix kernel is built) is set
+/// by a test, and by the tests that build those kernels' sources.
+static PRODUCTS: Mutex<()> = Mutex::new(());
+
+/// The cooperative-matrix variants: (label, `MARKBASE_VISION_ATTN_COOP`).
+const COOP_VARIANTS: [(&str, &str); 3] = [("coop", "both"), ("coop qk", "qk"), ("coop pv", "pv")];
 
 /// The default split's bound (of max|out|), besides 4x the f32 reference's error.
 const BOUND: f32 = 2e-5;
@@ -209,9 +219,22 @@ fn cases() -> Vec<Case> {
     v
 }
 
-/// The kernel sets: the twin, and the cooperative-matrix kernel where the adapter has it.
-fn kernel_sets(gpu: &Gpu) -> Vec<(&'static str, Kernels, bool)> {
-    f16_gemm::kernels(gpu)
+/// The kernel sets: (label, kernels, coop, `MARKBASE_VISION_ATTN_COOP`): the twin, and where the
+/// adapter has cooperative matrices the three variants of the cooperative-matrix kernel (a
+/// pipeline cache each: the variant is read when a kernel is built).
+fn kernel_sets(gpu: &Gpu) -> Vec<(&'static str, Kernels, bool, &'static str)> {
+    let mut v = vec![];
+    for (label, kernels, coop) in f16_gemm::kernels(gpu) {
+        if !coop {
+            v.push((label, kernels, false, "both"));
+            continue;
+        }
+        for (label, products) in COOP_VARIANTS {
+            let opts = KernelOptions { coop: CoopMode::Tensor, ..KernelOptions::for_gpu(gpu) };
+            v.push((label, Kernels::new(gpu, opts).unwrap(), true, products));
+        }
+    }
+    v
 }
 
 #[test]
@@ -219,7 +242,9 @@ fn vision_attention_f16_matches_the_cpu() {
     let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
     println!("adapter: {}", gpu.info.summary());
     let mut r = rng("vision_attention_f16");
+    let _products = PRODUCTS.lock().unwrap_or_else(|e| e.into_inner());
     let sets = kernel_sets(&gpu);
+    let limit = gpu.limits().max_compute_workgroup_storage_size;
     let tiled = Kernels::new(&gpu, KernelOptions { coop: CoopMode::Off, ..KernelOptions::for_gpu(&gpu) }).unwrap();
     let maxg = gpu.limits().max_compute_workgroups_per_dimension;
     let mut failures = vec![];
@@ -233,12 +258,14 @@ fn vision_attention_f16_matches_the_cpu() {
         let tgroups = [(c.t.div_ceil(32) * c.h) as u32, 1, 1];
         let tg = run_spec(&gpu, &tiled, KernelSpec::Vision(VisionKernel::Attention { mask, dm }), &c, &x, tgroups);
         let mut line = format!("{what}: vs f64: cpu f32 {:.1e}, tiled f32 {:.1e}", error(&x.want, &x.exact), error(&tg, &x.exact));
-        for (label, kernels, coop) in &sets {
-            let spec = vision_coop::spec_for(kernels, c.d, mask).unwrap_or_else(|| panic!("{label}: no f16 attention for D={}", c.d));
+        for (label, kernels, coop, products) in &sets {
+            std::env::set_var("MARKBASE_VISION_ATTN_COOP", products);
+            // the twin as selected; the cooperative-matrix kernel whatever the default
+            let spec = if *coop { vision_coop::shape_for(limit, true, c.d, mask) } else { vision_coop::spec_for(kernels, c.d, mask) };
+            let spec = spec.unwrap_or_else(|| panic!("{label}: no f16 attention for D={}", c.d));
             let KernelSpec::VisionAttnF16 { coop: sc, d16, kt: kt0, v4, pf, .. } = spec else { panic!("{label}: {spec:?}") };
             assert_eq!((sc, d16 as usize, v4), (*coop, c.d.div_ceil(16), c.d % 4 == 0), "{label}: {spec:?}");
             let groups = vision_coop::groups(c.t, c.h, maxg);
-            let limit = gpu.limits().max_compute_workgroup_storage_size;
             // the chosen tiles, the other tiles; with each split and the other placement of the
             // next tile's loads
             let other = if kt0 == 32 { 16 } else { 32 };
@@ -269,11 +296,13 @@ fn vision_attention_f16_matches_the_cpu() {
         }
         println!("{line} ({:.1} s)", t0.elapsed().as_secs_f64());
     }
+    std::env::remove_var("MARKBASE_VISION_ATTN_COOP");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The f16 attention runs where the f16 GEMM's mode is the twin or the tensor cores and the head
-/// dim fits; elsewhere the f32 kernels.
+/// The f16 attention runs where the f16 GEMM's mode is the twin, or the tensor cores where
+/// `MARKBASE_VISION_ATTN=coop` (or the default) asks for them, and the head dim fits; elsewhere the
+/// f32 kernels.
 #[test]
 fn vision_attention_f16_selection() {
     let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
@@ -292,6 +321,14 @@ fn vision_attention_f16_selection() {
     assert!(vision_coop::spec_for(&fma, 129, false).is_none(), "D=129 takes the f32 kernels");
     assert!(vision_coop::spec_for(&k(CoopMode::Off), 72, false).is_none(), "mode off takes the f32 kernels");
     assert!(vision_coop::spec_for(&k(CoopMode::Tensor8), 72, false).is_none(), "Metal's 8 x 8 takes the f32 kernels");
+    // tensor cores: the f32 tiled kernel unless asked for (until the kernel has passed on one)
+    let sel = std::env::var("MARKBASE_VISION_ATTN").unwrap_or_default();
+    let want = sel == "coop" || (vision_coop::VISION_ATTN_COOP_DEFAULT && sel != "tiled" && sel != "f32");
+    let spec = vision_coop::spec_for(&k(CoopMode::Tensor), 72, false);
+    assert_eq!(spec.is_some(), want, "tensor cores with MARKBASE_VISION_ATTN={sel:?}: {spec:?}");
+    if let Some(spec) = spec {
+        assert!(matches!(spec, KernelSpec::VisionAttnF16 { coop: true, .. }), "{spec:?}");
+    }
 }
 
 /// `vision_coop::smem_bytes` is the kernel's workgroup memory exactly (the workgroup variables
@@ -328,26 +365,38 @@ fn vision_attention_f16_smem_bytes_match_the_shader() {
 #[test]
 fn vision_attention_f16_spirv_uses_cooperative_matrices() {
     const OP_COOP_MUL_ADD: u32 = 4459; // OpCooperativeMatrixMulAddKHR
+    let _products = PRODUCTS.lock().unwrap_or_else(|e| e.into_inner());
     let mut n = 0;
-    for spec in KernelSpec::all_variants() {
-        let KernelSpec::VisionAttnF16 { coop, d16, kt, hilo_p, hilo_v, .. } = spec else { continue };
-        let wgsl = spec.source(false).text();
-        let module = naga::front::wgsl::parse_str(&wgsl).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
-        let caps = naga::valid::Capabilities::SHADER_FLOAT16 | naga::valid::Capabilities::COOPERATIVE_MATRIX;
-        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps).validate(&module).unwrap();
-        let opts = naga::back::spv::Options { lang_version: (1, 3), ..Default::default() };
-        let words = naga::back::spv::write_vec(&module, &info, &opts, None).unwrap_or_else(|e| panic!("{}: {e:?}", spec.name()));
-        let mut products = 0;
-        let mut i = 5;
-        while i < words.len() {
-            let (len, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-            products += (op == OP_COOP_MUL_ADD) as usize;
-            i += len.max(1);
+    // each variant (both products, S only, P V only), as MARKBASE_VISION_ATTN_COOP asks
+    for (_, products) in COOP_VARIANTS {
+        std::env::set_var("MARKBASE_VISION_ATTN_COOP", products);
+        let (qk, pv) = vision_coop::coop_products();
+        for spec in KernelSpec::all_variants() {
+            let KernelSpec::VisionAttnF16 { coop, d16, kt, hilo_p, hilo_v, .. } = spec else { continue };
+            if !coop && products != "both" {
+                continue; // (the twin has no variants)
+            }
+            let wgsl = spec.source(false).text();
+            let module = naga::front::wgsl::parse_str(&wgsl).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
+            let caps = naga::valid::Capabilities::SHADER_FLOAT16 | naga::valid::Capabilities::COOPERATIVE_MATRIX;
+            let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps).validate(&module).unwrap();
+            let opts = naga::back::spv::Options { lang_version: (1, 3), ..Default::default() };
+            let words = naga::back::spv::write_vec(&module, &info, &opts, None).unwrap_or_else(|e| panic!("{}: {e:?}", spec.name()));
+            let mut products = 0;
+            let mut i = 5;
+            while i < words.len() {
+                let (len, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+                products += (op == OP_COOP_MUL_ADD) as usize;
+                i += len.max(1);
+            }
+            // per tile: scores 3 x D16 x KB, weights times V (1 + hilo_p + hilo_v) x D16 x KB (those on
+            // cooperative matrices: MARKBASE_VISION_ATTN_COOP)
+            let per = 3 * qk as usize + (1 + hilo_p as usize + hilo_v as usize) * pv as usize;
+            let want = if coop { per * d16 as usize * (kt as usize / 16) } else { 0 };
+            assert_eq!(products, want, "{}: cooperative-matrix products in SPIR-V", spec.name());
+            n += coop as usize;
         }
-        // per tile: scores 3 x D16 x KB, weights times V (1 + hilo_p + hilo_v) x D16 x KB
-        let want = if coop { (3 + 1 + hilo_p as usize + hilo_v as usize) * d16 as usize * (kt as usize / 16) } else { 0 };
-        assert_eq!(products, want, "{}: cooperative-matrix products in SPIR-V", spec.name());
-        n += coop as usize;
     }
+    std::env::remove_var("MARKBASE_VISION_ATTN_COOP");
     assert!(n > 0, "no cooperative-matrix variant of the f16 attention");
 }

@@ -28,8 +28,9 @@
 //
 // Precision: scores carry about f32's accuracy at any magnitude: each query row and key row is
 // scaled by a power of two that brings its largest |value| into [2^6, 2^7) (exact; the scale
-// goes back on the f32 score), then split into hi = f16(x) and lo = f16(x - hi), and the three
-// products hi hi, hi lo, lo hi are summed (about 22 significant bits). The weights P (at most
+// goes back on the f32 score), then split into hi (x rounded to f16's 11 significant bits by
+// its bits: hi4, so that no compiler can fold the round trip through f16 away) and
+// lo = f16(x - hi), and the three products hi hi, hi lo, lo hi are summed (about 22 significant bits). The weights P (at most
 // 2^TAU) and V go as hi + lo pairs with HILO_P and HILO_V, else as one f16 each. V rows past
 // 2^15 are scaled down by a power of two that rides on their weights (so |v| up to about 4e6).
 // The softmax, its sums and the epilogue are f32.
@@ -44,8 +45,21 @@
 // products (PF: before them, in flight during them: 2 D16 more vec4 registers) and reduced to
 // per-key maxima before the next tile's first barrier; V is read again when it is staged.
 //
+// COOP_QK, COOP_PV (with COOP; both by default): which product runs on cooperative matrices; the
+// other takes the twin's FMA loop in the same kernel (same staging, same workgroup memory), so
+// that one run tells a wrong product from a wrong rest.
+//
+// Cooperative-matrix conventions (those of gemm_coop.wgsl): coopLoadT loads row-major,
+// coopLoad column-major, coopStoreT stores row-major; on the arrays of vec4<f16> the pointer
+// and the stride count vec4s. A is M x K (queries x d for S, queries x keys for P V), B is K x N
+// (d x keys: K staged [key][d], column-major; keys x d: V staged [key][d], row-major), C is
+// M x N. Every coop op runs in workgroup-uniform control flow (group g is subgroup g), and a
+// barrier separates plain stores from coop loads of the same memory and coop stores from plain
+// loads (the uniform load of the rescaling flag is one: it orders P's and V's stores before
+// their coop loads).
+//
 // Prelude consts: QT, KT, KB, KH (KT / 2), D16, HS (the f16 buffer's length). Flags: COOP,
-// MASK, HILO_P, HILO_V, V4 (D a multiple of 4: vec4 loads), PF.
+// COOP_QK, COOP_PV, MASK, HILO_P, HILO_V, V4 (D a multiple of 4: vec4 loads), PF.
 // Bindings: 0 params (vision.wgsl's), 1 q, 2 out, 3 k, 4 v, 5 valid (MASK).
 enable f16;
 //#if COOP
@@ -189,11 +203,31 @@ fn load_v(row: u32, c: u32) -> vec4<f32> {
 //#endif
 }
 
+// f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler
+// can fold a round trip through f16 away (one did: the lo parts came out zero). (gemm_common.wgsl
+// has the same; row_scale.wgsl includes that file without common.wgsl.)
+fn hi4(v: vec4<f32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
+}
+
+// x as hi + lo f16 parts: hi from hi4 (exact in f16's normal range), lo = f16(x - hi) with hi
+// as converted, so that where hi is an f16 subnormal (|x| < 2^-14) lo takes what its
+// conversion dropped, and past f16's range hi is infinite as f16(x) would be.
+struct HiLo {
+    h: vec4<f16>,
+    l: vec4<f16>,
+}
+
+fn split(x: vec4<f32>) -> HiLo {
+    let h = vec4<f16>(hi4(x));
+    return HiLo(h, vec4<f16>(x - vec4<f32>(h)));
+}
+
 // Stores x as hi (at f16 index i) and lo (at i + lo_off) parts.
 fn put_hilo(i: u32, lo_off: u32, x: vec4<f32>) {
-    let h = vec4<f16>(x);
-    hs[i / 4u] = h;
-    hs[(i + lo_off) / 4u] = vec4<f16>(x - vec4<f32>(h));
+    let hl = split(x);
+    hs[i / 4u] = hl.h;
+    hs[(i + lo_off) / 4u] = hl.l;
 }
 
 // Stages the query row qi's vec4 columns hh, hh + 2, .. (row `row` of q, times `mul`; zeros where
@@ -204,8 +238,8 @@ fn stage_q(qi: u32, hh: u32, ok: bool, row: u32, mul: f32, lo: bool) {
         if ok {
             x = load_q(row, c) * mul;
         }
-        let h = vec4<f16>(x);
-        hs[(qi * LD + 4u * c) / 4u] = select(h, vec4<f16>(x - vec4<f32>(h)), lo);
+        let hl = split(x);
+        hs[(qi * LD + 4u * c) / 4u] = select(hl.h, hl.l, lo);
     }
 }
 
@@ -255,7 +289,7 @@ fn rescale_slot(g: u32, l: u32, slot: u32) {
     }
 }
 
-//#if !COOP
+//#if !COOP_QK || !COOP_PV
 // The twin's staged f16 elements, by index.
 fn h16(i: u32) -> f32 {
     return f32(hs[i >> 2u][i & 3u]);
@@ -307,7 +341,7 @@ fn main(
         stage_q(qi, hh, qok, qrow, pow2(qe), false);
         workgroupBarrier();
         // each group's queries, held across the key tiles: hi parts, then lo parts
-//#if COOP
+//#if COOP_QK
 //#repeat D16 s
         let qh$s = coopLoadT<coop_mat16x16<f16, A>>(&hs[(16u * g * LD + 16u * $su) / 4u], LD / 4u);
 //#endrepeat
@@ -321,17 +355,20 @@ fn main(
         workgroupBarrier();
         stage_q(qi, hh, qok, qrow, pow2(qe), true);
         workgroupBarrier();
-//#if COOP
+//#if COOP_QK
 //#repeat D16 s
         let ql$s = coopLoadT<coop_mat16x16<f16, A>>(&hs[(16u * g * LD + 16u * $su) / 4u], LD / 4u);
-//#endrepeat
-//#repeat D16 n
-        var o$n = coop_mat16x16<f32, C>();
 //#endrepeat
 //#else
         for (var d = 0u; d < DP; d++) {
             ql[d] = h16(ti * LD + d);
         }
+//#endif
+//#if COOP_PV
+//#repeat D16 n
+        var o$n = coop_mat16x16<f32, C>();
+//#endrepeat
+//#else
         // results n: row r, columns 16 n + 8 hh + j at 8 n + j
         var o: array<f32, 8u * D16>;
         for (var j = 0u; j < 8u * D16; j++) {
@@ -381,7 +418,7 @@ fn main(
             workgroupBarrier();
 
             // ---- scores: the group's 16 queries x KT keys, to ss
-//#if COOP
+//#if COOP_QK
 //#repeat KB b
             var sc$b = coop_mat16x16<f32, C>();
 //#endrepeat
@@ -486,7 +523,7 @@ fn main(
             let need = workgroupUniformLoad(&flag);
             if need != 0u {
                 // O's rows times their factors, one 16 x 16 at a time through slot n % 2
-//#if COOP
+//#if COOP_PV
 //#repeat D16 n
                 coopStoreT(o$n, &ss[16u * g * LDS + 16u * ($nu % 2u)], LDS);
                 workgroupBarrier();
@@ -519,7 +556,7 @@ fn main(
 //#endif
             // ---- O += P V
             let pg = PHI + g * PG;
-//#if COOP
+//#if COOP_PV
 //#repeat KB j
             let ph$j = coopLoadT<coop_mat16x16<f16, A>>(&hs[(pg + 16u * $ju) / 4u], LDP / 4u);
 //#if HILO_P
@@ -583,7 +620,7 @@ fn main(
         let inv = select(0.0, 1.0 / lsum, lsum > 0.0);
         let sb = ti * LDS + 8u * hh;
         let ob = (t0 + ti) * p.heads + h;
-//#if COOP
+//#if COOP_PV
 //#repeat D16 n
         coopStoreT(o$n, &ss[16u * g * LDS + 16u * ($nu % 2u)], LDS);
         workgroupBarrier();

@@ -1,10 +1,11 @@
 //! The vision towers' bidirectional attention (`Op::FullAttention`) on f16 tiles
 //! (`vision_attn_coop.wgsl`): a flash attention whose products run on cooperative matrices
-//! (tensor cores) where the f16 GEMM's mode is [`CoopMode::Tensor`], or as their twin with a
-//! plain FMA loop ([`CoopMode::Fma`]: the tests' software rasterizer checks the tiling, staging,
-//! scaling, softmax and epilogue there). Elsewhere (mode `Off`, Metal's 8 x 8 matrices, head dims
-//! past [`MAX_D`], too little workgroup memory, or `MARKBASE_VISION_ATTN=tiled`) the f32 kernels
-//! of `vision.wgsl` run.
+//! (tensor cores) where the f16 GEMM's mode is [`CoopMode::Tensor`] and
+//! `MARKBASE_VISION_ATTN=coop` asks for it (see [`VISION_ATTN_COOP_DEFAULT`]), or as their twin
+//! with a plain FMA loop ([`CoopMode::Fma`]: the tests' software rasterizer checks the tiling,
+//! staging, scaling, softmax and epilogue there). Elsewhere (mode `Off`, mode `Tensor` without
+//! the switch, Metal's 8 x 8 matrices, head dims past [`MAX_D`], too little workgroup memory, or
+//! `MARKBASE_VISION_ATTN=tiled`) the f32 kernels of `vision.wgsl` run.
 //!
 //! A workgroup of 128 invocations takes [`QT`] queries of one head and walks the keys in tiles of
 //! 32 (or 16); queries and keys are scaled per row by powers of two and split into hi + lo f16 pairs
@@ -22,6 +23,24 @@ const ATTN_COOP: &str = include_str!("../../../wgsl/vision_attn_coop.wgsl");
 pub const QT: usize = 64;
 /// The largest head dim the kernel takes (padded to a multiple of 16).
 pub const MAX_D: usize = 128;
+
+/// Whether adapters with cooperative matrices ([`CoopMode::Tensor`]) take the cooperative-matrix
+/// kernel by default. Off until it has passed `tests/vision_attn_coop.rs` on a GPU with tensor
+/// cores: they keep the f32 tiled kernel unless `MARKBASE_VISION_ATTN=coop`. (The FMA twin,
+/// [`CoopMode::Fma`], is taken either way.)
+pub const VISION_ATTN_COOP_DEFAULT: bool = false;
+
+/// Which products of the cooperative-matrix kernel run on cooperative matrices: (S = Q K^T,
+/// O += P V); the other takes the twin's FMA loop in the same kernel, to tell which product is
+/// wrong on a GPU. `MARKBASE_VISION_ATTN_COOP` = `qk`, `pv` or `both` (the default). Read when a
+/// kernel is built (and named).
+pub fn coop_products() -> (bool, bool) {
+    match std::env::var("MARKBASE_VISION_ATTN_COOP").as_deref() {
+        Ok("qk") => (true, false),
+        Ok("pv") => (false, true),
+        _ => (true, true),
+    }
+}
 
 /// Elements (f16) of the kernel's f16 buffer for heads padded to `16 d16` and tiles of `kt` keys:
 /// K's hi and lo rows (V's in their place later), each group's weights P (hi, and lo with
@@ -54,25 +73,31 @@ pub fn hilo() -> (bool, bool) {
 }
 
 /// The kernel for heads of `d` with a key mask (`mask`) under `kernels`' options, where it runs:
-/// the f16 GEMM's mode is `Tensor` (cooperative matrices) or `Fma` (the twin), `d` is at most
-/// [`MAX_D`] and the workgroup memory fits: tiles of 32 keys (at most 38 KiB), else of 16 (the
-/// software rasterizer's 32 KiB past D = 80), else without the weights' lo parts.
-/// `MARKBASE_VISION_ATTN=tiled` keeps the f32 kernels; `MARKBASE_VISION_ATTN_KT=16` takes tiles
-/// of 16 keys.
+/// the f16 GEMM's mode is `Fma` (the twin), or `Tensor` (cooperative matrices) with
+/// `MARKBASE_VISION_ATTN=coop` or [`VISION_ATTN_COOP_DEFAULT`]; and [`shape_for`] finds a shape.
+/// `MARKBASE_VISION_ATTN=tiled` keeps the f32 kernels.
 pub fn spec_for(kernels: &Kernels, d: usize, mask: bool) -> Option<KernelSpec> {
-    if std::env::var("MARKBASE_VISION_ATTN").is_ok_and(|v| v == "tiled" || v == "f32") {
+    let sel = std::env::var("MARKBASE_VISION_ATTN");
+    if sel.as_deref().is_ok_and(|v| v == "tiled" || v == "f32") {
         return None;
     }
     let coop = match kernels.opts.coop {
-        CoopMode::Tensor => true,
+        CoopMode::Tensor if VISION_ATTN_COOP_DEFAULT || sel.as_deref() == Ok("coop") => true,
         CoopMode::Fma => false,
-        CoopMode::Off | CoopMode::Tensor8 => return None,
+        CoopMode::Tensor | CoopMode::Off | CoopMode::Tensor8 => return None,
     };
+    shape_for(kernels.limits.max_compute_workgroup_storage_size, coop, d, mask)
+}
+
+/// The kernel (`coop`: on cooperative matrices, else the twin) for heads of `d` with a key mask
+/// under a workgroup-memory `limit`, where `d` is at most [`MAX_D`] and the memory fits: tiles of
+/// 32 keys (at most 38 KiB), else of 16 (the software rasterizer's 32 KiB past D = 80), else
+/// without the weights' lo parts. `MARKBASE_VISION_ATTN_KT=16` takes tiles of 16 keys.
+pub fn shape_for(limit: u32, coop: bool, d: usize, mask: bool) -> Option<KernelSpec> {
     if d == 0 || d > MAX_D {
         return None;
     }
     let d16 = d.div_ceil(16) as u8;
-    let limit = kernels.limits.max_compute_workgroup_storage_size;
     let (hp, hv) = hilo();
     let kt16 = std::env::var("MARKBASE_VISION_ATTN_KT").is_ok_and(|v| v == "16");
     [(32, hp), (16, hp), (16, false)]
@@ -102,9 +127,15 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
+    let (qk, pv) = coop_products();
     Some(format!(
         "full_attention_f16[{} d{} k{}{}{}{}{}{}]",
-        if coop { "coop" } else { "fma" },
+        match (coop, qk, pv) {
+            (false, ..) => "fma",
+            (true, true, true) => "coop",
+            (true, true, false) => "coop qk",
+            _ => "coop pv",
+        },
         16 * d16 as u32,
         kt,
         if hilo_p { " hilo_p" } else { "" },
@@ -117,6 +148,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
+    let (qk, pv) = coop_products();
     Some(
         Source::new(&[ATTN_COOP])
             .c("QT", QT as u32)
@@ -126,6 +158,8 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .c("D16", d16 as u32)
             .c("HS", hs_len(d16, kt, hilo_p))
             .flag("COOP", coop)
+            .flag("COOP_QK", coop && qk)
+            .flag("COOP_PV", coop && pv)
             .flag("MASK", mask)
             .flag("HILO_P", hilo_p)
             .flag("HILO_V", hilo_v)
