@@ -106,7 +106,15 @@ const LDS: u32 = 36u;         // f32 per row of scores (KT of them, or two 16 x 
 // the f16 buffer: K hi and lo rows, then V's in their place; behind them each group's P (hi rows,
 // then lo rows); the queries' hi, then lo parts while they are staged
 const KLO: u32 = KT * LD;
+//#if VT
+// VT: V staged transposed, [d][key] (rows of LDV f16; lo rows from VLO on), in K's place: the
+// P V product loads it column-major, as the GEMM loads its weights
+const LDV: u32 = KT + 8u;
+const VLO: u32 = DP * LDV;
+const PHI: u32 = max(2u * KT * LD, 2u * DP * LDV);
+//#else
 const PHI: u32 = 2u * KT * LD;
+//#endif
 //#if HILO_P
 const PG: u32 = 32u * LDP;
 //#else
@@ -512,7 +520,20 @@ fn main(
             if loader {
                 let vmul = 1.0 / vf[lj];
 //#repeat D16 c
+//#if VT
+                {
+                    // key lj's four dims of this column, each in its dim's row
+                    let hl = split(v$c * vmul);
+                    let i0 = 4u * (lq + 4u * $cu) * LDV + lj;
+                    for (var e = 0u; e < 4u; e++) {
+                        let i = i0 + e * LDV;
+                        hs[i / 4u][i % 4u] = hl.h[e];
 //#if HILO_V
+                        hs[(VLO + i) / 4u][i % 4u] = hl.l[e];
+//#endif
+                    }
+                }
+//#elif HILO_V
                 put_hilo(lj * LD + 4u * (lq + 4u * $cu), KLO, v$c * vmul);
 //#else
                 hs[(lj * LD + 4u * (lq + 4u * $cu)) / 4u] = vec4<f16>(v$c * vmul);
@@ -566,10 +587,18 @@ fn main(
 //#repeat D16 n
 //#repeat KB j
             {
+//#if VT
+                let vb = coopLoad<coop_mat16x16<f16, B>>(&hs[(16u * $nu * LDV + 16u * $ju) / 4u], LDV / 4u);
+//#else
                 let vb = coopLoadT<coop_mat16x16<f16, B>>(&hs[(16u * $ju * LD + 16u * $nu) / 4u], LD / 4u);
+//#endif
                 o$n = coopMultiplyAdd(ph$j, vb, o$n);
 //#if HILO_V
+//#if VT
+                let vl = coopLoad<coop_mat16x16<f16, B>>(&hs[(VLO + 16u * $nu * LDV + 16u * $ju) / 4u], LDV / 4u);
+//#else
                 let vl = coopLoadT<coop_mat16x16<f16, B>>(&hs[(KLO + 16u * $ju * LD + 16u * $nu) / 4u], LD / 4u);
+//#endif
                 o$n = coopMultiplyAdd(ph$j, vl, o$n);
 //#endif
 //#if HILO_P
@@ -587,11 +616,18 @@ fn main(
                 for (var n = 0u; n < D16; n++) {
                     for (var j = 0u; j < 8u; j++) {
                         let col = 16u * n + 8u * hh + j;
-                        let vb = h16(key * LD + col);
+//#if VT
+                        let vi = col * LDV + key;
+                        let vlo = VLO;
+//#else
+                        let vi = key * LD + col;
+                        let vlo = KLO;
+//#endif
+                        let vb = h16(vi);
                         var a = o[8u * n + j];
                         a = fma(ph, vb, a);
 //#if HILO_V
-                        a = fma(ph, h16(KLO + key * LD + col), a);
+                        a = fma(ph, h16(vlo + vi), a);
 //#endif
 //#if HILO_P
                         a = fma(pl, vb, a);

@@ -48,7 +48,16 @@ pub fn coop_products() -> (bool, bool) {
 pub fn hs_len(d16: u8, kt: u8, hilo_p: bool) -> u32 {
     let (ld, kt) = (16 * d16 as u32 + 8, kt as u32);
     let pw = 4 * 16 * (kt + 8) * (1 + hilo_p as u32);
-    (2 * kt * ld + pw).max(QT as u32 * ld)
+    // K's rows, or V's transposed (rows of kt + 8 per dim)
+    let kv = if v_transposed() { (2 * kt * ld).max(2 * 16 * d16 as u32 * (kt + 8)) } else { 2 * kt * ld };
+    (kv + pw).max(QT as u32 * ld)
+}
+
+/// Whether V is staged transposed (`[d][key]`, loaded column-major by the P V product, as the
+/// GEMM loads its weights) instead of as its rows (loaded row-major): `MARKBASE_VISION_ATTN_VT=0`
+/// keeps the rows.
+pub fn v_transposed() -> bool {
+    std::env::var("MARKBASE_VISION_ATTN_VT").map_or(true, |v| v != "0")
 }
 
 /// Workgroup memory (bytes) of the kernel: the f16 buffer, the groups' scores (64 rows of 36
@@ -129,7 +138,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
     let (qk, pv) = coop_products();
     Some(format!(
-        "full_attention_f16[{} d{} k{}{}{}{}{}{}]",
+        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}]",
         match (coop, qk, pv) {
             (false, ..) => "fma",
             (true, true, true) => "coop",
@@ -142,7 +151,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
         if hilo_v { " hilo_v" } else { "" },
         if mask { " mask" } else { "" },
         if v4 { " v4" } else { "" },
-        if pf { " pf" } else { "" }
+        if pf { " pf" } else { "" },
+        if v_transposed() { " vt" } else { "" }
     ))
 }
 
@@ -164,7 +174,8 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .flag("HILO_P", hilo_p)
             .flag("HILO_V", hilo_v)
             .flag("V4", v4)
-            .flag("PF", pf),
+            .flag("PF", pf)
+            .flag("VT", v_transposed()),
     )
 }
 
