@@ -27,7 +27,10 @@ pub const MAX_D: usize = 128;
 /// Whether adapters with cooperative matrices ([`CoopMode::Tensor`]) take the cooperative-matrix
 /// kernel by default. Off until it has passed `tests/vision_attn_coop.rs` on a GPU with tensor
 /// cores: they keep the f32 tiled kernel unless `MARKBASE_VISION_ATTN=coop`. (The FMA twin,
-/// [`CoopMode::Fma`], is taken either way.)
+/// [`CoopMode::Fma`], is taken either way.) On an H100 the twin is right (within 1.1e-6 of
+/// max|out|) but both cooperative-matrix products are wrong (errors of 1 to 1e5 of max|out|;
+/// S = Q K^T on its own is right only where a single key makes the scores irrelevant), with V
+/// staged either way.
 pub const VISION_ATTN_COOP_DEFAULT: bool = false;
 
 /// Which products of the cooperative-matrix kernel run on cooperative matrices: (S = Q K^T,
