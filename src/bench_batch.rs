@@ -61,7 +61,9 @@ pub fn bench_batch(config: &ModelConfig, weights: Arc<Weights>, device: DeviceKi
             "step_ms_runs": ms,
             "tok_s": b as f64 * 1e3 / step_ms,
         });
-        if profile && batch.set_profile(Profile::Kernels) {
+        if profile && !batch.set_profile(Profile::Kernels) {
+            eprintln!("note: --profile times GPU dispatches; this backend's steps have no profile");
+        } else if profile {
             advance(&mut batch, &mut next)?;
             if let Some(p) = batch.profile() {
                 let c = batch.decode_graph(b).map_err(|e| e.to_string())?;
