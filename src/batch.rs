@@ -132,9 +132,14 @@ impl Batch {
         n.max(self.min_rows).next_power_of_two()
     }
 
-    /// The compiled graph of a decode step of `n` sequences (benchmarks, profiles).
+    /// The graph of a decode step of `n` sequences, `sample`: with the sampler.
+    fn decode_key(&self, n: usize, sample: bool) -> GraphKey {
+        GraphKey { tokens: self.rows_for(n), all_logits: true, sample, images: false }
+    }
+
+    /// The compiled graph of a decode step of `n` greedy sequences (benchmarks, profiles).
     pub fn decode_graph(&mut self, n: usize) -> Result<Arc<Compiled>, Error> {
-        self.graph(GraphKey { tokens: self.rows_for(n), all_logits: true, sample: false, images: false })
+        self.graph(self.decode_key(n, false))
     }
 
     /// Sets timestamp profiling of the following steps (GPU); false where there is none.
@@ -272,9 +277,9 @@ impl Batch {
                 return Err(Error::Input(format!("context full: max_context {max_context}")));
             }
         }
-        let b = self.rows_for(rows.len());
         let sample = rows.iter().any(|r| needs_sampler(r.sampling));
-        let key = GraphKey { tokens: b, all_logits: true, sample, images: false };
+        let key = self.decode_key(rows.len(), sample);
+        let b = key.tokens;
         let c = self.graph(key)?;
         let mut tokens = vec![0u32; b];
         let mut positions = vec![0u32; b];

@@ -2,6 +2,9 @@
 //! translates to MSL, SPIR-V and HLSL with naga — the offline check for the
 //! backends CI cannot run (Metal, DX12).
 
+#[path = "common/naga_smem.rs"]
+mod naga_smem;
+
 use markbase::gpu::kernels::KernelSpec;
 
 /// f16 and cooperative matrices are always allowed: the kernels that use them run only where
@@ -115,19 +118,7 @@ fn gemm_f16_smem_bytes_match_the_shaders() {
     let mut n = 0;
     for spec in KernelSpec::all_variants() {
         let KernelSpec::GemmF16 { .. } = spec else { continue };
-        let wgsl = spec.source(false).text();
-        let module = naga::front::wgsl::parse_str(&wgsl).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
-        let mut v = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), capabilities(false));
-        let info = v.validate(&module).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
-        let mut layouter = naga::proc::Layouter::default();
-        layouter.update(module.to_ctx()).unwrap();
-        let used = info.get_entry_point(0);
-        let bytes: u32 = module
-            .global_variables
-            .iter()
-            .filter(|&(h, v)| v.space == naga::AddressSpace::WorkGroup && !used[h].is_empty())
-            .map(|(_, v)| layouter[v.ty].size)
-            .sum();
+        let bytes = naga_smem::workgroup_bytes(&spec.name(), &spec.source(false).text(), capabilities(false));
         assert_eq!(markbase::gpu::ops::gemm_f16::spec_smem_bytes(&spec), bytes, "{}", spec.name());
         n += 1;
     }

@@ -20,6 +20,8 @@
 mod f16_gemm;
 #[path = "common/kernel_data.rs"]
 mod kernel_data;
+#[path = "common/naga_smem.rs"]
+mod naga_smem;
 
 use kernel_data::{rng, run};
 use markbase::cpu::vision_ops::full_attention;
@@ -338,21 +340,8 @@ fn vision_attention_f16_smem_bytes_match_the_shader() {
     let mut n = 0;
     for spec in KernelSpec::all_variants() {
         let KernelSpec::VisionAttnF16 { d16, kt, hilo_p, .. } = spec else { continue };
-        let wgsl = spec.source(false).text();
-        let module = naga::front::wgsl::parse_str(&wgsl).unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
         let caps = naga::valid::Capabilities::SHADER_FLOAT16 | naga::valid::Capabilities::COOPERATIVE_MATRIX;
-        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
-            .validate(&module)
-            .unwrap_or_else(|e| panic!("{}: {}", spec.name(), e.emit_to_string(&wgsl)));
-        let mut layouter = naga::proc::Layouter::default();
-        layouter.update(module.to_ctx()).unwrap();
-        let used = info.get_entry_point(0);
-        let bytes: u32 = module
-            .global_variables
-            .iter()
-            .filter(|&(h, v)| v.space == naga::AddressSpace::WorkGroup && !used[h].is_empty())
-            .map(|(_, v)| layouter[v.ty].size)
-            .sum();
+        let bytes = naga_smem::workgroup_bytes(&spec.name(), &spec.source(false).text(), caps);
         assert_eq!(vision_coop::smem_bytes(d16, kt, hilo_p), bytes, "{}", spec.name());
         n += 1;
     }

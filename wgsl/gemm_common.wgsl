@@ -34,12 +34,6 @@ fn k_pad(K: u32) -> u32 {
     return (K + 63u) & ~63u;
 }
 
-// f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler
-// can fold a round trip through f16 away (one did: the lo parts came out zero).
-fn hi4(v: vec4<f32>) -> vec4<f32> {
-    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
-}
-
 //#if GROUPED
 // Op::MoeGroup's value: E + 1 offsets, then the pair indices grouped by expert. The tiles of
 // a grouped GEMM (BT tokens: the including file's) hold pairs of one expert each.

@@ -60,8 +60,8 @@ enable f16;
 enable wgpu_cooperative_matrix;
 //#endif
 
-// Params, x16 (binding 1), t_pad, k_pad, hi4; with GROUPED grp (binding 3), find_tile and
-// pair_at: gemm_common.wgsl (X16).
+// Params, x16 (binding 1), t_pad, k_pad; with GROUPED grp (binding 3), find_tile and pair_at:
+// gemm_common.wgsl (X16). hi4: f16_split.wgsl.
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(7) var<storage, read> rs: array<f32>;
 

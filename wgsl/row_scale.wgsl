@@ -10,7 +10,7 @@
 // (gemm.wgsl's: T, K), 1 x, 5 x16, 7 s.
 enable f16;
 
-// Params, x (binding 1), t_pad, k_pad, hi4: gemm_common.wgsl.
+// Params, x (binding 1), t_pad, k_pad: gemm_common.wgsl. hi4: f16_split.wgsl.
 @group(0) @binding(5) var<storage, read_write> x16: array<vec4<f16>>;
 @group(0) @binding(7) var<storage, read_write> s: array<f32>;
 

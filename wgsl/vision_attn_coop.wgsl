@@ -159,63 +159,50 @@ fn vmax4(m: f32, v: vec4<f32>) -> f32 {
     return max(m, max(max(a.x, a.y), max(a.z, a.w)));
 }
 
-// Elements 4 c .. 4 c + 3 of row `row` of a [rows, D] input (zeros past D).
-fn load_q(row: u32, c: u32) -> vec4<f32> {
+// The inputs load_in reads.
+const IN_Q: u32 = 0u;
+const IN_K: u32 = 1u;
+const IN_V: u32 = 2u;
+
+// Elements 4 c .. 4 c + 3 of row `row` of the [rows, D] input `which` (IN_Q, IN_K or IN_V; zeros
+// past D).
+fn load_in(which: u32, row: u32, c: u32) -> vec4<f32> {
 //#if V4
-    if 4u * c < p.d {
-        return qq[row * (p.d / 4u) + c];
+    if 4u * c >= p.d {
+        return vec4<f32>(0.0);
     }
-    return vec4<f32>(0.0);
+    let i = row * (p.d / 4u) + c;
+    switch which {
+        case IN_Q: {
+            return qq[i];
+        }
+        case IN_K: {
+            return kk[i];
+        }
+        default: {
+            return vv[i];
+        }
+    }
 //#else
     var r = vec4<f32>(0.0);
     for (var e = 0u; e < 4u; e++) {
         if 4u * c + e < p.d {
-            r[e] = qq[row * p.d + 4u * c + e];
+            let i = row * p.d + 4u * c + e;
+            switch which {
+                case IN_Q: {
+                    r[e] = qq[i];
+                }
+                case IN_K: {
+                    r[e] = kk[i];
+                }
+                default: {
+                    r[e] = vv[i];
+                }
+            }
         }
     }
     return r;
 //#endif
-}
-
-fn load_k(row: u32, c: u32) -> vec4<f32> {
-//#if V4
-    if 4u * c < p.d {
-        return kk[row * (p.d / 4u) + c];
-    }
-    return vec4<f32>(0.0);
-//#else
-    var r = vec4<f32>(0.0);
-    for (var e = 0u; e < 4u; e++) {
-        if 4u * c + e < p.d {
-            r[e] = kk[row * p.d + 4u * c + e];
-        }
-    }
-    return r;
-//#endif
-}
-
-fn load_v(row: u32, c: u32) -> vec4<f32> {
-//#if V4
-    if 4u * c < p.d {
-        return vv[row * (p.d / 4u) + c];
-    }
-    return vec4<f32>(0.0);
-//#else
-    var r = vec4<f32>(0.0);
-    for (var e = 0u; e < 4u; e++) {
-        if 4u * c + e < p.d {
-            r[e] = vv[row * p.d + 4u * c + e];
-        }
-    }
-    return r;
-//#endif
-}
-
-// f32 values rounded to 11 significant bits (f16's), as f32: by their bits, so that no compiler
-// can fold a round trip through f16 away (one did: the lo parts came out zero). (gemm_common.wgsl
-// has the same; row_scale.wgsl includes that file without common.wgsl.)
-fn hi4(v: vec4<f32>) -> vec4<f32> {
-    return bitcast<vec4<f32>>((bitcast<vec4<u32>>(v) + vec4<u32>(0x1000u)) & vec4<u32>(0xffffe000u));
 }
 
 // x as hi + lo f16 parts: hi from hi4 (exact in f16's normal range), lo = f16(x - hi) with hi
@@ -244,7 +231,7 @@ fn stage_q(qi: u32, hh: u32, ok: bool, row: u32, mul: f32, lo: bool) {
     for (var c = hh; c < DP / 4u; c += 2u) {
         var x = vec4<f32>(0.0);
         if ok {
-            x = load_q(row, c) * mul;
+            x = load_in(IN_Q, row, c) * mul;
         }
         let hl = split(x);
         hs[(qi * LD + 4u * c) / 4u] = select(hl.h, hl.l, lo);
@@ -267,8 +254,8 @@ fn load_keys(s: u32, kh: u32, lq: u32, loader: bool) -> Keys {
     r.k[$cu] = vec4<f32>(0.0);
     r.v[$cu] = vec4<f32>(0.0);
     if ok {
-        r.k[$cu] = load_k(row, lq + 4u * $cu);
-        r.v[$cu] = load_v(row, lq + 4u * $cu);
+        r.k[$cu] = load_in(IN_K, row, lq + 4u * $cu);
+        r.v[$cu] = load_in(IN_V, row, lq + 4u * $cu);
     }
 //#endrepeat
     return r;
@@ -337,7 +324,7 @@ fn main(
         var qm = 0.0;
         if qok {
             for (var c = hh; c < DP / 4u; c += 2u) {
-                qm = vmax4(qm, load_q(qrow, c));
+                qm = vmax4(qm, load_in(IN_Q, qrow, c));
             }
         }
         kpart[lid] = qm;
@@ -467,7 +454,7 @@ fn main(
 //#repeat D16 c
             var v$c = vec4<f32>(0.0);
             if vok {
-                v$c = load_v(vrow, lq + 4u * $cu);
+                v$c = load_in(IN_V, vrow, lq + 4u * $cu);
             }
 //#endrepeat
 

@@ -48,6 +48,8 @@ pub use super::ops::vision::{VisionKernel, VisionParams};
 
 pub(crate) const COMMON: &str = include_str!("../../wgsl/common.wgsl");
 pub(crate) const WEIGHTS: &str = include_str!("../../wgsl/weights.wgsl");
+/// `hi4`, the f16 kernels' hi + lo split.
+pub(crate) const F16_SPLIT: &str = include_str!("../../wgsl/f16_split.wgsl");
 
 /// Invocations per workgroup of the elementwise-like kernels (elementwise, copy, kv write,
 /// weighted sum).

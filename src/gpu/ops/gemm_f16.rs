@@ -12,7 +12,7 @@
 //! pairs, which gathers their rows.
 
 use crate::gpu::device::Gpu;
-use crate::gpu::kernels::{all_formats, div_ceil, weight_source, COMMON, KernelSpec, WEIGHTS};
+use crate::gpu::kernels::{all_formats, div_ceil, weight_source, COMMON, F16_SPLIT, KernelSpec, WEIGHTS};
 use crate::gpu::shader::Source;
 use crate::gpu::weights::GpuFormat;
 use markbase_graph::quant::FloatType;
@@ -267,7 +267,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
         KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped } => {
-            let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, GEMM_COOP])
+            let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, F16_SPLIT, GEMM_COOP])
                 .flag("GROUPED", grouped)
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
@@ -286,7 +286,7 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             weight_source(s, fmt, false, false, false)
         }
         KernelSpec::RowScale { xvec, lo, aug } => {
-            Source::new(&[GEMM_COMMON, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo).flag("AUG", aug > 0).c("GS", aug.max(1))
+            Source::new(&[GEMM_COMMON, F16_SPLIT, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo).flag("AUG", aug > 0).c("GS", aug.max(1))
         }
         _ => return None,
     })

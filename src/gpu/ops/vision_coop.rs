@@ -12,7 +12,7 @@
 //! (three products: about f32's accuracy at any magnitude); the weights and V go as pairs too
 //! by default ([`hilo`]).
 
-use crate::gpu::kernels::{div_ceil, grid, KernelSpec, Kernels};
+use crate::gpu::kernels::{div_ceil, grid, KernelSpec, Kernels, F16_SPLIT};
 use crate::gpu::shader::Source;
 use super::gemm_f16::CoopMode;
 use super::Family;
@@ -163,7 +163,7 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
     let (qk, pv) = coop_products();
     Some(
-        Source::new(&[ATTN_COOP])
+        Source::new(&[ATTN_COOP, F16_SPLIT])
             .c("QT", QT as u32)
             .c("KT", kt as u32)
             .c("KB", kt as u32 / 16)
