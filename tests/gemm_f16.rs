@@ -78,14 +78,18 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
         } else {
             assert!(matches!(chosen.spec, KernelSpec::Gemm { .. }), "{label}: a small weight takes the f32 GEMM, not {:?}", chosen.spec);
         }
-        for (hilo, mt, vs, center, bk, db) in VARIANTS {
-            if gemm_f16::smem_bytes(*coop, hilo, mt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
-                continue;
-            }
-            if center && !gemm_f16::center(fmt, k) {
-                continue;
-            }
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk, db, grouped: false }).unwrap();
+        // the variants, and the chosen kernel where it cuts K into parts (few tiles)
+        let mut specs: Vec<KernelSpec> = VARIANTS
+            .iter()
+            .filter(|&&(hilo, mt, _, center, bk, db)| gemm_f16::smem_bytes(*coop, hilo, mt, bk, db) <= gpu.limits().max_compute_workgroup_storage_size && (!center || gemm_f16::center(fmt, k)))
+            .map(|&(hilo, mt, vs, center, bk, db)| KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk, db, grouped: false, split: false })
+            .collect();
+        if matches!(chosen.spec, KernelSpec::GemmF16 { split: true, .. }) {
+            specs.push(chosen.spec);
+        }
+        for spec in specs {
+            let KernelSpec::GemmF16 { hilo, mt, vs, center, bk, db, split, .. } = spec else { unreachable!() };
+            let mm = kk.matmul_spec(spec).unwrap();
             // centred weights are exact in f16: the activations' split alone bounds the error
             let exact_w = center || gemm_f16::values_in_f16(fmt);
             let bound = f16_gemm::bound(hilo, exact_w);
@@ -97,7 +101,10 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
             let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, t)).collect();
             let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
             let rbg = rk.bind_buffers(&gpu.device, &[(0, &params[0]), (1, &xb), (5, &x16), (7, &scales)]);
-            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, None, &gw, c)).collect();
+            let (pbytes, cbytes) = dims.iter().map(|d| mm.split_scratch_bytes(d)).fold((4, 4), |a, b| (a.0.max(b.0), a.1.max(b.1)));
+            let (part, done) = (gpu.storage("part", pbytes), gpu.storage("done", cbytes));
+            let scratch = split.then_some((&part, &done));
+            let bgs: Vec<wgpu::BindGroup> = (0..gw.chunks.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, None, scratch, &gw, c)).collect();
             run(gpu, |pass| {
                 rk.dispatch(pass, &rbg, gemm_f16::row_scale_groups(t, 65535));
                 for (c, d) in dims.iter().enumerate() {
@@ -105,7 +112,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
                 }
             });
             let got = gpu.read_f32(&y, t * n).unwrap();
-            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center} bk={bk} db={db}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), gw.chunks.len());
+            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center} bk={bk} db={db} parts={:?}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), dims.iter().map(|d| mm.ksplit(d)).collect::<Vec<_>>(), gw.chunks.len());
             let worst = worst(&got, &want, &mag);
             let i = worst.0;
             println!("{what}: worst error {:.2e} of sum|x||w|", worst.1);
@@ -221,13 +228,13 @@ fn throughput() {
             if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
-            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center, bk, db, grouped: false }).unwrap();
+            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center, bk, db, grouped: false, split: false }).unwrap();
             let scales = gpu.storage("scales", (t * 4) as u64);
             let x16 = gpu.storage("x16", gemm_f16::x16_bytes(&mm.spec, t, k));
             let rk = kf16.row_scale(&mm, k).unwrap();
             let pb = gpu.uniform("p", &mm.params(&d));
             let rbg = rk.bind_buffers(&gpu.device, &[(0, &pb), (1, &x), (5, &x16), (7, &scales)]);
-            let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, None, w, 0)).collect();
+            let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, None, None, w, 0)).collect();
             let rg = gemm_f16::row_scale_groups(t, 65535);
             let both = median_pass_seconds(&gpu, iters, |pass| {
                 for bg in &bgs {

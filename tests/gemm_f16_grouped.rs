@@ -66,7 +66,7 @@ fn run_grouped(gpu: &Gpu, kk: &Kernels, mm: &MatMulKernel, gw: &GpuWeight, x: &[
     let rbg = rk.bind_buffers(&gpu.device, &[(0, &rp), (1, &xb), (5, &x16), (7, &scales)]);
     let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::gathered(gw, c, t, s, x_bcast)).collect();
     let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
-    let bgs: Vec<wgpu::BindGroup> = (0..dims.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, Some(&gb), gw, c)).collect();
+    let bgs: Vec<wgpu::BindGroup> = (0..dims.len()).map(|c| mm.bind_group_f16(&gpu.device, &params[c], &x16, &y, &scales, Some(&gb), None, gw, c)).collect();
     run(gpu, |pass| {
         rk.dispatch(pass, &rbg, gemm_f16::row_scale_groups(xrows, 65535));
         for (c, d) in dims.iter().enumerate() {
@@ -108,7 +108,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
     let mut worst_all = 0f32;
     for (label, kk, coop) in ks {
         for (hilo, mt, vs, center) in variants(fmt, k) {
-            let spec = KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk: 32, db: false, grouped: true };
+            let spec = KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk: 32, db: false, grouped: true, split: false };
             if gemm_f16::spec_smem_bytes(&spec) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
@@ -174,7 +174,7 @@ fn grouped_gemm_f16_rows_independent_of_their_tiles() {
         for mt in [2, 4] {
             let mm = kk.grouped_matmul_rows(q4, k, n, 1 << 20, ne).unwrap();
             let KernelSpec::GemmF16 { hilo, vs, center, coop, m8, .. } = mm.spec else { panic!("{}: not the f16 GEMM", mm.kernel.name) };
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt: q4, coop, m8, hilo, mt, vs, center, bk: 32, db: false, grouped: true }).unwrap();
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt: q4, coop, m8, hilo, mt, vs, center, bk: 32, db: false, grouped: true, split: false }).unwrap();
             let y0 = run_grouped(&gpu, kk, &mm, &gw, &x0, &cpu::moe_group(&ids0, ne).unwrap(), (t0, s), true);
             let y1 = run_grouped(&gpu, kk, &mm, &gw, &x1, &cpu::moe_group(&ids1, ne).unwrap(), (t0 + t1, s), true);
             let tail = &y1[t1 * s * n..];
@@ -255,7 +255,7 @@ fn throughput() {
         let pb = gpu.uniform("p", &mm.params(&d));
         let rp = gpu.uniform("rp", &mm.params(&MatMulDims::plain(&w, 0, xrows)));
         let rbg = rk.bind_buffers(&gpu.device, &[(0, &rp), (1, &x), (5, &x16), (7, &scales)]);
-        let bg = mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, Some(&gb), &w, 0);
+        let bg = mm.bind_group_f16(&gpu.device, &pb, &x16, &y, &scales, Some(&gb), None, &w, 0);
         let rg = gemm_f16::row_scale_groups(xrows, 65535);
         let both = median_pass_seconds(&gpu, iters, |pass| {
             rk.dispatch(pass, &rbg, rg);

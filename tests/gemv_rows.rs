@@ -1,4 +1,5 @@
-//! The several-token GEMV of a batch's decode steps (`Kernels::matmul_rowwise`) at real widths
+//! The several-token GEMV of a batch's decode steps (`Kernels::row_gemv`: what
+//! `Kernels::matmul_rowwise` takes unless the f16 GEMM runs on cooperative matrices) at real widths
 //! (K up to 3,840: workgroups of 128 invocations walking 120 blocks, reduced across subgroups):
 //! a row's outputs are the same bits at every row count of a batch's decode graphs (2, 4, 8, 16
 //! and 64 rows: token groups of 2 and 4, one to sixteen of them), so a sequence's tokens do not
@@ -41,10 +42,10 @@ fn rows_identical(gpu: &Gpu, ks: &Kernels) {
         cpu::matmul(&x, &wref, k, n, &mut want);
         let mut outs: Vec<Vec<f32>> = vec![];
         for t in ROWS {
-            let mm = ks.matmul_rowwise(fmt, k, t).unwrap();
+            let mm = ks.row_gemv(fmt, k, t).unwrap();
             let KernelSpec::Gemv { tt, wg, .. } = mm.spec else { panic!("a batch's decode matmul takes the GEMV, not {:?}", mm.spec) };
             assert_eq!(tt, if t >= 4 { 4 } else { 2 }, "token group at {t} rows");
-            assert_eq!(wg, ks.matmul_rowwise(fmt, k, 2).map(|m| match m.spec { KernelSpec::Gemv { wg, .. } => wg, _ => 0 }).unwrap(), "one workgroup size at every row count");
+            assert_eq!(wg, ks.row_gemv(fmt, k, 2).map(|m| match m.spec { KernelSpec::Gemv { wg, .. } => wg, _ => 0 }).unwrap(), "one workgroup size at every row count");
             let xb = gpu.upload_f32("x", &x[..t * k]);
             let y = gpu.storage("y", (t * n * 4) as u64);
             gpu.queue.write_buffer(&y, 0, &vec![0xffu8; t * n * 4]);
@@ -66,7 +67,7 @@ fn rows_identical(gpu: &Gpu, ks: &Kernels) {
                 assert!(a.to_bits() == b.to_bits(), "{} N={n} K={k}: row {} column {} at {t} rows is {a}, at {tmax} rows {b}", fmt.describe(), i / n, i % n);
             }
         }
-        let half = matches!(ks.matmul_rowwise(fmt, k, 2).unwrap().spec, KernelSpec::Gemv { half: true, .. });
+        let half = matches!(ks.row_gemv(fmt, k, 2).unwrap().spec, KernelSpec::Gemv { half: true, .. });
         println!("{} N={n} K={k} chunks {} half blocks {half}: rows identical to the bit at {ROWS:?} rows", fmt.describe(), gw.chunks.len());
     }
 }

@@ -54,7 +54,17 @@
 // or q and its scale s. A pair's result depends on its row alone: the same arithmetic however
 // many pairs its expert has.
 //
-// Bindings: 0 params (gemm.wgsl's), 1 x16, 2 y, 3 grp (GROUPED), 7 row scales, 8.. weights.
+// SPLIT (not GROUPED): K's steps are cut into p.ksplit parts, part wid.z per workgroup, for
+// weights of few tiles and few tokens (a batch's decode step: tiles of 128 rows alone would leave
+// most of the GPU idle). Each workgroup stores its tile's sums (unscaled) into `part`, fences them
+// (storageBarrier) and counts itself in the tile's counter; the one that completes the count adds
+// the parts in order (0, 1, ..: the same sums whichever workgroup finishes last), scales them,
+// writes y and zeroes the counter for the next dispatch, as gemm.wgsl's SPLIT does. A token's
+// result then depends on its row alone, at any token count: its sums over each part's steps, added
+// in part order.
+//
+// Bindings: 0 params (gemm.wgsl's), 1 x16, 2 y, 3 grp (GROUPED), 5 part and 6 counters (SPLIT),
+// 7 row scales, 8.. weights.
 enable f16;
 //#if COOP
 enable wgpu_cooperative_matrix;
@@ -64,6 +74,44 @@ enable wgpu_cooperative_matrix;
 // gemm_common.wgsl (X16). hi4: f16_split.wgsl.
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(7) var<storage, read> rs: array<f32>;
+//#if SPLIT
+// per (tile, part): the tile's sums, [token][row]; a counter per tile
+@group(0) @binding(5) var<storage, read_write> part: array<f32>;
+@group(0) @binding(6) var<storage, read_write> done: array<atomic<u32>>;
+var<workgroup> wlast: u32;
+
+// Index in `part` of the first sum of part z of tile `tile`.
+fn part_base(tile: u32, z: u32) -> u32 {
+    return (tile * p.ksplit + z) * (BT * BN);
+}
+
+// The split's end of a tile (rows r0 .., tokens t0 .. end): stores this workgroup's sums (written
+// to `part` from pb on) for the others, counts itself; the last one adds the parts in order and
+// writes y. Called from uniform control flow.
+fn split_finish(lid: u32, tile: u32, t0: u32, end: u32, r0: u32, gsc: f32) {
+    storageBarrier();
+    if lid == 0u {
+        wlast = u32(atomicAdd(&done[tile], 1u) + 1u == p.ksplit);
+    }
+    if workgroupUniformLoad(&wlast) == 1u {
+        storageBarrier();
+        for (var i = lid; i < BT * BN; i += 256u) {
+            let t = t0 + i / BN;
+            let r = r0 + i % BN;
+            if t < end && r < p.rows {
+                var a = 0.0;
+                for (var z = 0u; z < p.ksplit; z++) {
+                    a += part[part_base(tile, z) + i];
+                }
+                y[y_row(t) * p.ldy + p.row_start + r] = a * (rs[x_row(t, end)] * gsc);
+            }
+        }
+        if lid == 0u {
+            atomicStore(&done[tile], 0u);
+        }
+    }
+}
+//#endif
 
 const BT: u32 = 32u * MT;  // tokens per tile
 const BN: u32 = 128u;      // rows per tile
@@ -159,6 +207,20 @@ fn write_out(g: u32, l: u32, t0: u32, end: u32, r0: u32, gsc: f32) {
             }
         }
     }
+}
+
+// Writes group g's result staged in cs, the tile's tokens tl .. + 16 and rows rl .. + 16, out:
+// to y (the tile's first token t0, first row r0), or with SPLIT to `part` from pb on.
+fn result_out(g: u32, l: u32, t0: u32, end: u32, r0: u32, gsc: f32, pb: u32, tl: u32, rl: u32) {
+//#if SPLIT
+    let i = l / 2u;
+    let b = pb + (tl + i) * BN + rl + 8u * (l % 2u);
+    for (var j = 0u; j < 8u; j++) {
+        part[b + j] = cs[g * 256u + i * 16u + 8u * (l % 2u) + j];
+    }
+//#else
+    write_out(g, l, t0 + tl, end, r0 + rl, gsc);
+//#endif
 }
 //#else
 // The twin's staged elements, by f16 index.
@@ -367,6 +429,16 @@ fn main(
     let lr = lid / 2u;
     let lo = lid % 2u;
     let nsteps = (k_aug(K) + BK - 1u) / BK;
+    // the workgroup's steps: sb .. se (SPLIT: part wid.z of p.ksplit; the host makes each part
+    // hold at least one step)
+//#if SPLIT
+    let per = (nsteps + p.ksplit - 1u) / p.ksplit;
+    let sb = min(wid.z * per, nsteps);
+    let se = min(sb + per, nsteps);
+//#else
+    let sb = 0u;
+    let se = nsteps;
+//#endif
     let nrt = (p.rows + BN - 1u) / BN;
     for (var ty = wid.y; ty < ntt; ty += nwg.y) {
         // the tile: positions t0 .. tend (of the grouped pairs, or tokens), rows wbase .. of the
@@ -391,7 +463,7 @@ fn main(
             let r0 = rx * BN;
             let wr = wbase + r0 + lr;
             let wload = r0 + lr < p.rows;
-            var lv = load_step(0u, wr, wload, lo, K, xr, lo_off);
+            var lv = load_step(sb, wr, wload, lo, K, xr, lo_off);
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
 //#repeat MT a
@@ -417,23 +489,23 @@ fn main(
             }
 //#endif
 //#if DB && !ABL_NOSTAGE
-            // step 0 into buffer 0, once the previous tile's products are done with it
+            // step sb into its buffer, once the previous tile's products are done with it
             workgroupBarrier();
-            store_step(lv, 0u, 0u, wr, wload, lr, lo, lt, lq, K);
-            if 1u < nsteps {
-                lv = load_step(1u, wr, wload, lo, K, xr, lo_off);
+            store_step(lv, sb, sb % 2u, wr, wload, lr, lo, lt, lq, K);
+            if sb + 1u < se {
+                lv = load_step(sb + 1u, wr, wload, lo, K, xr, lo_off);
             }
 //#endif
-            for (var s = 0u; s < nsteps; s++) {
+            for (var s = sb; s < se; s++) {
 //#if DB
                 // every group's products of step s - 1 (buffer (s + 1) % 2) are done, and the
                 // stores of step s (buffer s % 2) are seen
                 workgroupBarrier();
 //#if !ABL_NOSTAGE
                 // store step s + 1 (loaded during step s - 1), issue step s + 2's loads
-                if s + 1u < nsteps {
+                if s + 1u < se {
                     store_step(lv, s + 1u, (s + 1u) % 2u, wr, wload, lr, lo, lt, lq, K);
-                    if s + 2u < nsteps {
+                    if s + 2u < se {
                         lv = load_step(s + 2u, wr, wload, lo, K, xr, lo_off);
                     }
                 }
@@ -448,7 +520,7 @@ fn main(
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
 //#if !ABL_NOSTAGE
-                if s + 1u < nsteps {
+                if s + 1u < se {
                     lv = load_step(s + 1u, wr, wload, lo, K, xr, lo_off);
                 }
 //#endif
@@ -575,6 +647,12 @@ fn main(
 //#endif
             }
             // epilogue
+//#if SPLIT
+            let tile = ty * nrt + rx;
+            let pb = part_base(tile, wid.z);
+//#else
+            let pb = 0u;
+//#endif
 //#if COOP && M8
             // each result's four 8 x 8 through the group's 16 x 16 of cs
 //#repeat MT a
@@ -585,7 +663,7 @@ fn main(
 //#endrepeat
 //#endrepeat
             workgroupBarrier();
-            write_out(g, l, t0 + gt + 16u * $au, tend, r0 + gn + 16u * $bu, gsc);
+            result_out(g, l, t0, tend, r0, gsc, pb, gt + 16u * $au, gn + 16u * $bu);
             workgroupBarrier();
 //#endrepeat
 //#endrepeat
@@ -595,12 +673,22 @@ fn main(
 //#repeat 2 b
             coopStoreT(c$a$b, &cs[g * 256u], 16u);
             workgroupBarrier();
-            write_out(g, l, t0 + gt + 16u * $au, tend, r0 + gn + 16u * $bu, gsc);
+            result_out(g, l, t0, tend, r0, gsc, pb, gt + 16u * $au, gn + 16u * $bu);
             workgroupBarrier();
 //#endrepeat
 //#endrepeat
 //#else
             // straight from the registers
+//#if SPLIT
+            for (var a = 0u; a < MT; a++) {
+                for (var b = 0u; b < 2u; b++) {
+                    let pr = pb + (gt + 16u * a + l / 2u) * BN + gn + 16u * b + 8u * (l % 2u);
+                    for (var j = 0u; j < 8u; j++) {
+                        part[pr + j] = acc[8u * (2u * a + b) + j];
+                    }
+                }
+            }
+//#else
             for (var a = 0u; a < MT; a++) {
                 let t = t0 + gt + 16u * a + l / 2u;
                 if t < tend {
@@ -616,6 +704,10 @@ fn main(
                     }
                 }
             }
+//#endif
+//#endif
+//#if SPLIT
+            split_finish(lid, tile, t0, tend, r0, gsc);
 //#endif
         }
     }

@@ -126,7 +126,7 @@ pub enum KernelSpec {
     /// `m8`: on 8 x 8 cooperative matrices (Metal's) instead of 16 x 16. `bk`: K per step (32 or
     /// 64); `db`: two copies of each workgroup buffer, one barrier per step. `grouped`: over the
     /// pairs of each expert (`Op::GroupedMatMul`, binding 3 the `Op::MoeGroup` value).
-    GemmF16 { fmt: GpuFormat, coop: bool, m8: bool, hilo: Hilo, mt: u8, vs: bool, center: bool, bk: u8, db: bool, grouped: bool },
+    GemmF16 { fmt: GpuFormat, coop: bool, m8: bool, hilo: Hilo, mt: u8, vs: bool, center: bool, bk: u8, db: bool, grouped: bool, split: bool },
     /// The f16 GEMM's activations: per-token scales and x / s in f16 (`row_scale.wgsl`);
     /// `xvec`: K % 4 == 0; `lo`: with the lo parts (`Hilo::X`, `Hilo::Both`); `aug`: the weight
     /// group whose sums follow each row (a centring GEMM's), or 0.

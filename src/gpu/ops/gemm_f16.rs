@@ -139,10 +139,10 @@ fn vs_default(hilo: Hilo) -> bool {
 }
 
 /// Workgroup memory (bytes) of the f16 GEMM `spec` ([`smem_bytes`], and the grouped one's
-/// tile of the slot).
+/// tile of the slot, or the split one's flag).
 pub fn spec_smem_bytes(spec: &KernelSpec) -> u32 {
     match *spec {
-        KernelSpec::GemmF16 { coop, hilo, mt, bk, db, grouped, .. } => smem_bytes(coop, hilo, mt, bk, db) + if grouped { 16 } else { 0 },
+        KernelSpec::GemmF16 { coop, hilo, mt, bk, db, grouped, split, .. } => smem_bytes(coop, hilo, mt, bk, db) + if grouped { 16 } else if split { 4 } else { 0 },
         _ => 0,
     }
 }
@@ -234,8 +234,8 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped } => format!(
-            "gemm_f16{}[{}{}{}{}{}{}{}{}]",
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => format!(
+            "gemm_f16{}[{}{}{}{}{}{}{}{}{}]",
             if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
@@ -252,7 +252,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
             if *vs { " vs" } else { "" },
             if *center { " centred" } else { "" },
             if *bk == 64 { " k64" } else { "" },
-            if *db { " db" } else { "" }
+            if *db { " db" } else { "" },
+            if *split { " split" } else { "" }
         ),
         KernelSpec::RowScale { xvec, lo, aug } => format!(
             "row_scale[{}{}{}]",
@@ -266,9 +267,10 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped } => {
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, F16_SPLIT, GEMM_COOP])
                 .flag("GROUPED", grouped)
+                .flag("SPLIT", split && !grouped)
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
@@ -305,7 +307,7 @@ fn variants() -> Vec<KernelSpec> {
     }
     for fmt in all_formats() {
         for (coop, m8) in [(false, false), (true, false), (true, true)] {
-            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped: false };
+            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped: false, split: false };
             for (hilo, mt, vs) in [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true)] {
                 v.push(spec(hilo, mt, vs, false, 32, false));
             }
@@ -320,6 +322,8 @@ fn variants() -> Vec<KernelSpec> {
             // format) for 4-bit affine weights only
             let split = if centred || values_in_f16(fmt) { Hilo::X } else { Hilo::Both };
             let q4 = fmt == GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
+            // a batch's decode step: the format's split, tiles of 64 tokens, K in parts
+            v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: split, mt: 2, vs: vs_default(split), center: centred, bk: 32, db: false, grouped: false, split: true });
             for (hilo, mt, center) in [(split, 2, centred), (Hilo::Off, 2, false), (Hilo::Off, 4, false)] {
                 for (bk, db) in [(64, false), (32, true), (64, true)] {
                     if (hilo != Hilo::Off || q4) && smem_bytes(coop, hilo, mt, bk, db) <= 48 << 10 {
@@ -330,12 +334,56 @@ fn variants() -> Vec<KernelSpec> {
             // the grouped GEMM (default staging): the format's split with both tiles, both inputs
             // split, none
             for (hilo, mt, center) in [(split, 2, centred), (split, 4, centred), (Hilo::Both, 2, false), (Hilo::Off, 4, false)] {
-                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: vs_default(hilo), center, bk: 32, db: false, grouped: true });
+                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: vs_default(hilo), center, bk: 32, db: false, grouped: true, split: false });
             }
         }
     }
     v
 }
+
+/// Parts of K of a split GEMM ([`KernelSpec::GemmF16`] with `split`) of `tiles` tiles whose
+/// activations' rows take `steps` steps: enough parts for about [`SPLIT_WORKGROUPS`] workgroups,
+/// of at least [`SPLIT_MIN_STEPS`] steps each (and none empty). A batch's decode steps (up to 64
+/// tokens: one tile of tokens) get the same parts at every row count for a given weight, so that
+/// a row's sums do not change with the row count. `MARKBASE_COOP_KSPLIT` sets it (1: none).
+pub fn ksplit(tiles: usize, steps: usize) -> usize {
+    let want = std::env::var("MARKBASE_COOP_KSPLIT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or_else(|| SPLIT_WORKGROUPS.div_ceil(tiles.max(1)).min(steps / SPLIT_MIN_STEPS));
+    let steps = steps.max(1);
+    // every part holds steps.div_ceil(want) steps but the last
+    steps.div_ceil(steps.div_ceil(want.clamp(1, steps)))
+}
+
+/// Parts of K of the f16 GEMM with tiles of `mt` ([`tile_mt`]) over `rows` rows of `k` columns
+/// and `t` tokens ([`ksplit`]).
+pub fn ksplit_for(spec: &KernelSpec, rows: usize, k: usize, t: usize) -> usize {
+    match *spec {
+        KernelSpec::GemmF16 { mt, bk, split: true, .. } => ksplit(div_ceil(rows, TILE_N) * div_ceil(t, 32 * mt as usize), k_aug(spec, k).div_ceil(bk as usize)),
+        _ => 1,
+    }
+}
+
+/// Whether prefill's f16 GEMM over `rows` x `k` and `t` tokens cuts K ([`ksplit`]): where the
+/// backend merges in a kernel and the tiles would leave the GPU short of [`SPLIT_WORKGROUPS`];
+/// `MARKBASE_COOP_SPLIT=0` keeps K whole.
+pub fn prefill_split(spec: &KernelSpec, rows: usize, k: usize, t: usize, merge: bool) -> bool {
+    let KernelSpec::GemmF16 { grouped: false, .. } = *spec else { return false };
+    let on = merge && !std::env::var("MARKBASE_COOP_SPLIT").is_ok_and(|v| v == "0");
+    on && rows < usize::MAX && {
+        let mut s = *spec;
+        if let KernelSpec::GemmF16 { split, .. } = &mut s {
+            *split = true;
+        }
+        ksplit_for(&s, rows, k, t) > 1
+    }
+}
+
+/// Workgroups a split GEMM aims at ([`ksplit`]): two per multiprocessor of an H100 or H200.
+pub const SPLIT_WORKGROUPS: usize = 264;
+/// Fewest steps per part of a split GEMM.
+pub const SPLIT_MIN_STEPS: usize = 8;
 
 /// Workgroups of the GEMM over `rows` rows and `t` tokens with `mt` (each dimension capped at
 /// `maxg`; the kernel walks the rest); grouped over the pairs of `experts` experts: a slot for

@@ -441,6 +441,17 @@ impl Kernels {
         Ok(spec)
     }
 
+    /// Whether a batch's decode steps take the f16 GEMM ([`Kernels::matmul_rowwise`]): where it runs
+    /// on cooperative matrices, unless `MARKBASE_ROW_GEMM=gemv`; `MARKBASE_ROW_GEMM=f16` takes it
+    /// wherever the f16 GEMM is on (its FMA twin too).
+    pub fn row_gemm(&self) -> bool {
+        match std::env::var("MARKBASE_ROW_GEMM").as_deref() {
+            Ok("gemv") => false,
+            Ok("f16") => self.opts.coop != CoopMode::Off,
+            _ => self.opts.coop.coop().0,
+        }
+    }
+
     /// The f16 GEMM's spec for `fmt` over `n` x `k` and `t` tokens (`grouped`: `t` per expert,
     /// on average; the default staging).
     fn f16_spec(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, grouped: bool) -> KernelSpec {
@@ -449,7 +460,9 @@ impl Kernels {
         let smem = self.limits.max_compute_workgroup_storage_size;
         let mt = gemm_f16::tile_mt(coop, hilo, n, t, smem);
         let (bk, db) = if grouped { (32, false) } else { gemm_f16::staging(coop, hilo, mt, smem) };
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped }
+        let spec = KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split: false };
+        let split = gemm_f16::prefill_split(&spec, n, k, t, self.opts.merge_splits);
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split }
     }
 
     /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
@@ -486,14 +499,40 @@ impl Kernels {
         self.get(KernelSpec::RowScale { xvec: k % 4 == 0, lo, aug })
     }
 
-    /// A matmul of a batch's decode step (`t` rows, one per sequence): the several-token GEMV
-    /// for every row count, in token groups of [`ROW_TT`] (2 for fewer rows), with the
-    /// workgroup size of every several-token GEMV over rows of `k`. A row's sums are then those
-    /// of the same row at any other row count: blocks split over the workgroup the same way,
-    /// reduced in the same order (the token group and the rows per workgroup change only which
-    /// accumulators a workgroup holds). The token groups of a row group are neighbouring
-    /// workgroups, so that they read the same weights at about the same time.
-    pub fn matmul_rowwise(&self, fmt: GpuFormat, k: usize, t: usize) -> Result<MatMulKernel, GpuError> {
+    /// A matmul of a batch's decode step (`t` rows, one per sequence) over a weight of `n` x `k`:
+    /// the f16 GEMM with K in parts ([`Kernels::row_f16`]) where [`Kernels::row_gemm`] says so,
+    /// else the several-token GEMV ([`Kernels::row_gemv`]). Either way, at every row count of the
+    /// graphs a batch runs, for a given weight: a row's sums do not depend on the other rows.
+    pub fn matmul_rowwise(&self, fmt: GpuFormat, k: usize, n: usize, t: usize) -> Result<MatMulKernel, GpuError> {
+        if self.row_gemm() {
+            return self.row_f16(fmt, k, n);
+        }
+        self.row_gemv(fmt, k, t)
+    }
+
+    /// The f16 GEMM of a batch's decode steps over a weight of `n` x `k` (the same kernel at every
+    /// row count): tiles of 64 tokens, K in [`gemm_f16::ksplit`] parts (where the backend
+    /// merges splits in a kernel; else whole), each part's sums added in part order, so that a
+    /// row's result is the same whatever the other rows. One tile of tokens up to 64 rows: the
+    /// weights are decoded once per step, where the GEMV decodes them once per four rows.
+    pub fn row_f16(&self, fmt: GpuFormat, k: usize, n: usize) -> Result<MatMulKernel, GpuError> {
+        fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
+        match self.f16_spec(fmt, k, n, 64, false) {
+            KernelSpec::GemmF16 { fmt, coop, m8, hilo, vs, center, bk, db, .. } => {
+                self.matmul_spec(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt: 2, vs, center, bk, db, grouped: false, split: self.opts.merge_splits })
+            }
+            spec => Err(GpuError::Kernel { name: spec.name(), msg: "not the f16 GEMM".into() }),
+        }
+    }
+
+    /// The several-token GEMV of a batch's decode steps (`t` rows), in token groups of
+    /// [`ROW_TT`] (2 for fewer rows), with the workgroup size of every several-token GEMV over
+    /// rows of `k`. A row's sums are then those of the same row at any other row count: blocks
+    /// split over the workgroup the same way, reduced in the same order (the token group and the
+    /// rows per workgroup change only which accumulators a workgroup holds). The token groups of
+    /// a row group are neighbouring workgroups, so that they read the same weights at about the
+    /// same time.
+    pub fn row_gemv(&self, fmt: GpuFormat, k: usize, t: usize) -> Result<MatMulKernel, GpuError> {
         // the GEMV of two tokens (its rows per workgroup and workgroup size are those of every
         // several-token GEMV), with the token group of this row count
         let mut spec = self.matmul_spec_for(fmt, k, 2, false, None, None)?;
@@ -669,7 +708,8 @@ impl MatMulKernel {
     }
 
     /// Bind group of the f16 GEMM: chunk `c` of `w`, the activations `x16` and their row scales
-    /// `scales`; the grouped one's `Op::MoeGroup` value `groups`.
+    /// `scales`; the grouped one's `Op::MoeGroup` value `groups`; the split one's partial sums and
+    /// counters `split` (as [`MatMulKernel::bind_group_split`]'s).
     #[allow(clippy::too_many_arguments)]
     pub fn bind_group_f16(
         &self,
@@ -679,18 +719,21 @@ impl MatMulKernel {
         y: &wgpu::Buffer,
         scales: &wgpu::Buffer,
         groups: Option<&wgpu::Buffer>,
+        split: Option<(&wgpu::Buffer, &wgpu::Buffer)>,
         w: &GpuWeight,
         c: usize,
     ) -> wgpu::BindGroup {
-        match groups {
-            Some(g) => self.bind(device, params, x16, y, &[(3, g), (7, scales)], w, None, c),
-            None => self.bind(device, params, x16, y, &[(7, scales)], w, None, c),
+        let mut extra = vec![(7, scales)];
+        extra.extend(groups.map(|g| (3, g)));
+        if let Some((part, done)) = split {
+            extra.extend([(5, part), (6, done)]);
         }
+        self.bind(device, params, x16, y, &extra, w, None, c)
     }
 
     /// Whether the kernel cuts K into parts (and binds [`MatMulKernel::split_scratch_bytes`]).
     pub fn is_split(&self) -> bool {
-        matches!(self.spec, KernelSpec::Gemm { split: true, .. })
+        matches!(self.spec, KernelSpec::Gemm { split: true, .. } | KernelSpec::GemmF16 { split: true, .. })
     }
 
     /// Parts of K of dispatch `d` (1 unless split).
@@ -701,13 +744,19 @@ impl MatMulKernel {
         if d.ksplit > 0 {
             return d.ksplit;
         }
-        gemm_ksplit(gemm_tiles(d.rows, d.t, false), d.k)
+        match self.spec {
+            KernelSpec::GemmF16 { .. } => gemm_f16::ksplit_for(&self.spec, d.rows, d.k, d.t),
+            _ => gemm_ksplit(gemm_tiles(d.rows, d.t, false), d.k),
+        }
     }
 
     /// Bytes of the split GEMM's partial sums and of its counters for dispatch `d`.
     pub fn split_scratch_bytes(&self, d: &MatMulDims) -> (u64, u64) {
-        let tiles = gemm_tiles(d.rows, d.t, false) as u64;
-        (tiles * self.ksplit(d) as u64 * 64 * 64 * 4, tiles * 4)
+        let (tiles, tile) = match self.spec {
+            KernelSpec::GemmF16 { mt, .. } => ((div_ceil(d.rows, gemm_f16::TILE_N) * div_ceil(d.t, 32 * mt as usize)) as u64, 32 * mt as u64 * gemm_f16::TILE_N as u64),
+            _ => (gemm_tiles(d.rows, d.t, false) as u64, 64 * 64),
+        };
+        (tiles * self.ksplit(d) as u64 * tile * 4, tiles * 4)
     }
 
     /// Bind group of a split GEMM: chunk `c` of `w`, partial sums `part`, counters `done` (zeroed
@@ -748,7 +797,10 @@ impl MatMulKernel {
                 let experts = d.gather.map_or(0, |g| g.e_count);
                 [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
-            KernelSpec::GemmF16 { mt, grouped, .. } => gemm_f16::gemm_groups(d.rows, d.t, mt, d.gather.filter(|_| grouped).map(|g| g.e_count), self.maxg),
+            KernelSpec::GemmF16 { mt, grouped, .. } => {
+                let [x, y, _] = gemm_f16::gemm_groups(d.rows, d.t, mt, d.gather.filter(|_| grouped).map(|g| g.e_count), self.maxg);
+                [x, y, self.ksplit(d) as u32]
+            }
             KernelSpec::Gemm { wide, .. } => {
                 [div_ceil(d.rows, gemm_tile_rows(wide)).min(m) as u32, div_ceil(d.t, 64).min(m) as u32, self.ksplit(d) as u32]
             }
@@ -857,7 +909,7 @@ impl MatMulKernel {
 pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
     let k = if cx.row_batch {
-        kernels.matmul_rowwise(w.format, w.k, rows)
+        kernels.matmul_rowwise(w.format, w.k, w.rows, rows)
     } else {
         kernels.matmul_rows(w.format, w.k, w.rows, rows, false)
     }
@@ -874,9 +926,12 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
                 cx.acc.split_scratch = Some(pair);
             }
             let (part, done) = cx.acc.split_scratch.as_ref().expect("allocated above");
-            k.bind_group_split(dev, &p, x, y, part, done, w, ci)
+            match &scales {
+                Some((sb, xb)) => k.bind_group_f16(dev, &p, xb, y, sb, None, Some((part, done)), w, ci),
+                None => k.bind_group_split(dev, &p, x, y, part, done, w, ci),
+            }
         } else if let Some((sb, xb)) = &scales {
-            k.bind_group_f16(dev, &p, xb, y, sb, None, w, ci)
+            k.bind_group_f16(dev, &p, xb, y, sb, None, None, w, ci)
         } else {
             k.bind_group(dev, &p, x, y, None, w, ci)
         };
@@ -946,7 +1001,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                 let d = MatMulDims::gathered(w, ci, t, s, bcast);
                 let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
                 let bg = match &scales {
-                    Some((sb, xb)) => k.bind_group_f16(dev, &p, xb, &cx.out()?, sb, Some(&groups), w, ci),
+                    Some((sb, xb)) => k.bind_group_f16(dev, &p, xb, &cx.out()?, sb, Some(&groups), None, w, ci),
                     None => k.bind_group(dev, &p, &x, &cx.out()?, Some(&groups), w, ci),
                 };
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
