@@ -284,6 +284,14 @@ fn rescale_slot(g: u32, l: u32, slot: u32) {
     }
 }
 
+// SGB (a diagnostic, with COOP): a subgroup barrier before each run of cooperative-matrix
+// operations, so that a subgroup's invocations enter them together after divergent code.
+fn converge() {
+//#if SGB
+    subgroupBarrier();
+//#endif
+}
+
 //#if !COOP_QK || !COOP_PV
 // The twin's staged f16 elements, by index.
 fn h16(i: u32) -> f32 {
@@ -336,6 +344,7 @@ fn main(
         stage_q(qi, hh, qok, qrow, pow2(qe), false);
         workgroupBarrier();
         // each group's queries, held across the key tiles: hi parts, then lo parts
+        converge();
 //#if COOP_QK
 //#repeat D16 s
         let qh$s = coopLoadT<coop_mat16x16<f16, A>>(&hs[(16u * g * LD + 16u * $su) / 4u], LD / 4u);
@@ -350,6 +359,7 @@ fn main(
         workgroupBarrier();
         stage_q(qi, hh, qok, qrow, pow2(qe), true);
         workgroupBarrier();
+        converge();
 //#if COOP_QK
 //#repeat D16 s
         let ql$s = coopLoadT<coop_mat16x16<f16, A>>(&hs[(16u * g * LD + 16u * $su) / 4u], LD / 4u);
@@ -413,6 +423,7 @@ fn main(
             workgroupBarrier();
 
             // ---- scores: the group's 16 queries x KT keys, to ss
+            converge();
 //#if COOP_QK
 //#repeat KB b
             var sc$b = coop_mat16x16<f32, C>();
@@ -531,6 +542,7 @@ fn main(
             let need = workgroupUniformLoad(&flag);
             if need != 0u {
                 // O's rows times their factors, one 16 x 16 at a time through slot n % 2
+                converge();
 //#if COOP_PV
 //#repeat D16 n
                 coopStoreT(o$n, &ss[16u * g * LDS + 16u * ($nu % 2u)], LDS);
@@ -564,6 +576,7 @@ fn main(
 //#endif
             // ---- O += P V
             let pg = PHI + g * PG;
+            converge();
 //#if COOP_PV
 //#repeat KB j
             let ph$j = coopLoadT<coop_mat16x16<f16, A>>(&hs[(pg + 16u * $ju) / 4u], LDP / 4u);
@@ -643,6 +656,7 @@ fn main(
         let inv = select(0.0, 1.0 / lsum, lsum > 0.0);
         let sb = ti * LDS + 8u * hh;
         let ob = (t0 + ti) * p.heads + h;
+        converge();
 //#if COOP_PV
 //#repeat D16 n
         coopStoreT(o$n, &ss[16u * g * LDS + 16u * ($nu % 2u)], LDS);

@@ -221,6 +221,6 @@ fn relative_embeddings(cx: &mut LowerCtx, window: usize) -> Result<wgpu::Buffer,
     let sin = cx.gpu.try_upload(&format!("timing signals of {}", cx.node.name), bytemuck::cast_slice(&timing)).map_err(|e| e.to_string())?;
     let rel = cx.gpu.try_storage(&format!("relative embeddings of {}", cx.node.name), (window * w.rows * 4) as u64).map_err(|e| e.to_string())?;
     cx.acc.scratch.extend([sin.clone(), rel.clone()]);
-    matmul_into(cx, w, &sin, window, &rel)?;
+    matmul_into(cx, w, &sin, None, window, &rel)?;
     Ok(rel)
 }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
+use petgraph::graph::NodeIndex;
 use markbase_graph::ops::{NormScale, Op};
 use markbase_graph::quant::FloatType;
 
@@ -904,9 +905,9 @@ impl MatMulKernel {
 }
 
 /// Records the dispatches of `y = x Wᵀ` over `rows` rows of `x` (an `Op::MatMul`, or a
-/// matmul another op's lowering needs): the f16 GEMM's row scales first where it runs, then
-/// one dispatch per chunk of `w`.
-pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
+/// matmul another op's lowering needs): the f16 GEMM's row scales first where it runs (unless
+/// the shared buffers hold those of node `src` already), then one dispatch per chunk of `w`.
+pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, src: Option<NodeIndex>, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
     let k = if cx.row_batch {
         kernels.matmul_rowwise(w.format, w.k, w.rows, rows)
@@ -914,7 +915,7 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
         kernels.matmul_rows(w.format, w.k, w.rows, rows, false)
     }
     .map_err(cx.kerr())?;
-    let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, x, rows)?) } else { None };
+    let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, x, src, rows)?) } else { None };
     for ci in 0..w.chunks.len() {
         let d = MatMulDims::plain(w, ci, rows);
         let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
@@ -940,11 +941,18 @@ pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, ro
     Ok(())
 }
 
-/// Records the f16 GEMM `k`'s activations' pass over `rows` rows of `x` (rows of `w.k`) into the
-/// scratch buffers the graph's f16 GEMMs share (grown to fit): returns the row scales and x / s
-/// in f16.
-fn f16_activations(cx: &mut LowerCtx, k: &MatMulKernel, w: &GpuWeight, x: &wgpu::Buffer, rows: usize) -> Result<(wgpu::Buffer, wgpu::Buffer), String> {
+/// Records the f16 GEMM `k`'s activations' pass over `rows` rows of `x` (rows of `w.k`; node
+/// `src`'s value, where it is one) into the scratch buffers the graph's f16 GEMMs share (grown to
+/// fit), unless they hold that already: returns the row scales and x / s in f16.
+fn f16_activations(cx: &mut LowerCtx, k: &MatMulKernel, w: &GpuWeight, x: &wgpu::Buffer, src: Option<NodeIndex>, rows: usize) -> Result<(wgpu::Buffer, wgpu::Buffer), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
+    let rk = kernels.row_scale(k, w.k).map_err(cx.kerr())?;
+    let of = src.map(|n| (n, rows, w.k, rk.name.clone()));
+    if of.is_some() && cx.acc.x16_of == of {
+        if let (Some(sb), Some(xb)) = (&cx.acc.row_scales, &cx.acc.x16) {
+            return Ok((sb.clone(), xb.clone()));
+        }
+    }
     let bytes = (rows.max(1) * 4) as u64;
     if cx.acc.row_scales.as_ref().is_none_or(|b| b.size() < bytes) {
         let b = cx.gpu.try_storage("gemm.row_scales", bytes).map_err(|e| e.to_string())?;
@@ -959,7 +967,7 @@ fn f16_activations(cx: &mut LowerCtx, k: &MatMulKernel, w: &GpuWeight, x: &wgpu:
     }
     let sb = cx.acc.row_scales.clone().expect("allocated above");
     let xb = cx.acc.x16.clone().expect("allocated above");
-    let rk = kernels.row_scale(k, w.k).map_err(cx.kerr())?;
+    cx.acc.x16_of = of;
     let p = cx.uni(bytemuck::bytes_of(&k.params(&MatMulDims::plain(w, 0, rows))))?;
     let bg = rk.bind_buffers(dev, &[(0, &p), (1, x), (5, &xb), (7, &sb)]);
     cx.push(rk, bg, gemm_f16::row_scale_groups(rows, kernels.maxg()));
@@ -973,7 +981,8 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
         Op::MatMul => {
             let rows = cx.graph.node(cx.ins[0]).ty.rows();
             let (w, x, y) = (cx.mat(1)?, cx.input(0)?, cx.out()?);
-            matmul_into(cx, w, &x, rows, &y)?;
+            let src = cx.ins[0];
+            matmul_into(cx, w, &x, Some(src), rows, &y)?;
         }
         Op::GatherMatMul => {
             let w = cx.mat(2)?;
@@ -996,7 +1005,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             let k = kernels.grouped_matmul_rows(w.format, w.k, w.rows_per_expert, t * s, w.experts).map_err(cx.kerr())?;
             let (x, groups) = (cx.input(0)?, cx.input(3)?);
             // the f16 GEMM's activations: x's own rows (a token's, shared by its pairs, or a pair's)
-            let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, &x, if bcast { t } else { t * s })?) } else { None };
+            let scales = if k.is_f16() { Some(f16_activations(cx, &k, w, &x, None, if bcast { t } else { t * s })?) } else { None };
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::gathered(w, ci, t, s, bcast);
                 let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;

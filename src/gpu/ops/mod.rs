@@ -106,6 +106,10 @@ pub(crate) struct Lowered {
     pub row_scales: Option<wgpu::Buffer>,
     /// Their activations in f16 (x / s), shared the same way.
     pub x16: Option<wgpu::Buffer>,
+    /// Whose activations those two hold, where they are a node's (its rows and columns, and the
+    /// activations' pass that wrote them): the next f16 GEMM over the same rows with the same
+    /// pass reuses them (the q, k and v projections of one norm, the gate and the up).
+    pub x16_of: Option<(NodeIndex, usize, usize, String)>,
     /// Dispatches recorded since the last [`Lowered::take_dispatches`].
     dispatches: Vec<Dispatch>,
 }

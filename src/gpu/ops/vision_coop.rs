@@ -56,6 +56,13 @@ pub fn hs_len(d16: u8, kt: u8, hilo_p: bool) -> u32 {
     (kv + pw).max(QT as u32 * ld)
 }
 
+/// A diagnostic: a subgroup barrier before each run of cooperative-matrix operations
+/// (`MARKBASE_VISION_ATTN_SGB=1`), to tell whether divergence before them is what goes wrong on a
+/// GPU. Read when a kernel is built (and named).
+pub fn converge() -> bool {
+    std::env::var("MARKBASE_VISION_ATTN_SGB").is_ok_and(|v| v == "1")
+}
+
 /// Whether V is staged transposed (`[d][key]`, loaded column-major by the P V product, as the
 /// GEMM loads its weights) instead of as its rows (loaded row-major): `MARKBASE_VISION_ATTN_VT=0`
 /// keeps the rows.
@@ -141,7 +148,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
     let (qk, pv) = coop_products();
     Some(format!(
-        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}]",
+        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}{}]",
         match (coop, qk, pv) {
             (false, ..) => "fma",
             (true, true, true) => "coop",
@@ -155,7 +162,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
         if mask { " mask" } else { "" },
         if v4 { " v4" } else { "" },
         if pf { " pf" } else { "" },
-        if v_transposed() { " vt" } else { "" }
+        if v_transposed() { " vt" } else { "" },
+        if coop && converge() { " sgb" } else { "" }
     ))
 }
 
@@ -178,7 +186,8 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .flag("HILO_V", hilo_v)
             .flag("V4", v4)
             .flag("PF", pf)
-            .flag("VT", v_transposed()),
+            .flag("VT", v_transposed())
+            .flag("SGB", coop && converge()),
     )
 }
 
