@@ -46,6 +46,11 @@ struct FuseArgs {
     /// MARKBASE_COOP=0).
     #[arg(long)]
     no_coop: bool,
+    /// A batch's decode steps (`serve`, `bench --batch`) multiply on the f16 GEMM with K in parts
+    /// (tensor cores) instead of the several-token GEMV: faster steps with many sequences,
+    /// slower with few (the same as MARKBASE_ROW_GEMM=f16).
+    #[arg(long)]
+    batch_f16: bool,
 }
 
 impl FuseArgs {
@@ -54,6 +59,9 @@ impl FuseArgs {
     fn options(&self) -> Result<markbase::graph::FuseOptions, String> {
         if self.no_coop {
             std::env::set_var("MARKBASE_COOP", "0");
+        }
+        if self.batch_f16 {
+            std::env::set_var("MARKBASE_ROW_GEMM", "f16");
         }
         self.no_fuse.as_deref().map_or(Ok(markbase::graph::FuseOptions::all()), |rules| {
             markbase::graph::FuseOptions::without(rules).map_err(|e| format!("--no-fuse: {e}"))

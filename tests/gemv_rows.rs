@@ -1,5 +1,5 @@
 //! The several-token GEMV of a batch's decode steps (`Kernels::row_gemv`: what
-//! `Kernels::matmul_rowwise` takes unless the f16 GEMM runs on cooperative matrices) at real widths
+//! `Kernels::matmul_rowwise` takes unless `--batch-f16` asks for the f16 GEMM) at real widths
 //! (K up to 3,840: workgroups of 128 invocations walking 120 blocks, reduced across subgroups):
 //! a row's outputs are the same bits at every row count of a batch's decode graphs (2, 4, 8, 16
 //! and 64 rows: token groups of 2 and 4, one to sixteen of them), so a sequence's tokens do not

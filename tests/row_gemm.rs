@@ -1,5 +1,5 @@
 //! The f16 GEMM of a batch's decode steps (`Kernels::row_f16`: what `Kernels::matmul_rowwise`
-//! takes where the f16 GEMM runs on cooperative matrices): K cut into parts whose sums the last
+//! takes with `--batch-f16`, `MARKBASE_ROW_GEMM=f16`): K cut into parts whose sums the last
 //! workgroup of a tile adds in part order. At real widths (K up to 15,360) and awkward row counts,
 //! in every split of the inputs the formats take, with its FMA twin on every adapter with f16 (CI's
 //! software rasterizer included) and on cooperative matrices where the adapter has them:

@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// Gemma's turn format).
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// Decode steps multiply on the f16 GEMM with K in parts (tensor cores) instead of the
+    /// several-token GEMV: faster steps with many sequences, slower with few (the same as
+    /// MARKBASE_ROW_GEMM=f16; see docs/PERF.md). Each sequence's tokens stay those it gets alone.
+    #[arg(long)]
+    pub batch_f16: bool,
 }
 
 /// Where the server is in its life.
@@ -221,6 +226,9 @@ pub fn serve(a: ServeArgs) -> Result<(), String> {
     }
     if a.api_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
         return Err("--api-key is empty".into());
+    }
+    if a.batch_f16 {
+        std::env::set_var("MARKBASE_ROW_GEMM", "f16");
     }
     let device = crate::cli::parse_device(a.backend.as_deref())?;
     let synthetic = match &a.synthetic {
