@@ -19,6 +19,10 @@
 // twice the vec4s), so that twice the products run between the barriers and the loads in flight
 // during them cover 64 columns.
 //
+// PW (without DB): each step's weights are loaded two steps ahead (before the products of the
+// step before theirs), its activations one step ahead: twice the weight bytes in flight, for a
+// few more registers.
+//
 // DB: two copies of each staging buffer, one barrier per step. Step s multiplies buffer s % 2;
 // before that, right after the step's barrier, step s + 1's values (loaded during step s - 1)
 // are stored into the other buffer and step s + 2's loads are issued. The barrier of step s
@@ -316,16 +320,29 @@ struct Loads {
 //#endif
 }
 
-// Issues step s's loads: octets OPI lo .. + OPI of the step's BK / 8 of row wr (zeros where
-// !wload), vec4s of x16 from xr (the loader's first of step 0; lo parts from lo_off on).
-fn load_step(s: u32, wr: u32, wload: bool, lo: u32, K: u32, xr: u32, lo_off: u32) -> Loads {
-    var v: Loads;
+// Issues step s's weight loads: octets OPI lo .. + OPI of the step's BK / 8 of row wr (zeros
+// where !wload).
+fn load_w(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI> {
+    var w: array<ROct, OPI>;
     for (var h = 0u; h < OPI; h++) {
-        v.w[h] = ROct(vec4<u32>(0u), vec4<u32>(0u));
+        w[h] = ROct(vec4<u32>(0u), vec4<u32>(0u));
         if wload {
-            v.w[h] = oct_raw(wr, s * (BK / 8u) + OPI * lo + h, K);
+            w[h] = oct_raw(wr, s * (BK / 8u) + OPI * lo + h, K);
         }
     }
+    return w;
+}
+
+// Issues step s's loads: its weights (load_w) and activations (load_step_w).
+fn load_step(s: u32, wr: u32, wload: bool, lo: u32, K: u32, xr: u32, lo_off: u32) -> Loads {
+    return load_step_w(s, load_w(s, wr, wload, lo, K), xr, lo_off);
+}
+
+// Step s's loads with its weights `w` (issued earlier with PW): issues the vec4s of x16 from xr
+// (the loader's first of step 0; lo parts from lo_off on).
+fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, lo_off: u32) -> Loads {
+    var v: Loads;
+    v.w = w;
     for (var j = 0u; j < XPT; j++) {
         v.xh[j] = x16[xr + (BK / 4u) * s + j];
 //#if HILO_X
@@ -464,6 +481,10 @@ fn main(
             let wr = wbase + r0 + lr;
             let wload = r0 + lr < p.rows;
             var lv = load_step(sb, wr, wload, lo, K, xr, lo_off);
+//#if PW && !DB
+            // PW: the weights of the step after the next, issued a step before their activations
+            var lw = load_w(sb + 1u, wr, wload && sb + 1u < se, lo, K);
+//#endif
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
 //#repeat MT a
@@ -520,9 +541,18 @@ fn main(
                 workgroupBarrier();
                 // issue step s + 1's loads, then multiply step s
 //#if !ABL_NOSTAGE
+//#if PW
+                if s + 1u < se {
+                    lv = load_step_w(s + 1u, lw, xr, lo_off);
+                }
+                if s + 2u < se {
+                    lw = load_w(s + 2u, wr, wload, lo, K);
+                }
+//#else
                 if s + 1u < se {
                     lv = load_step(s + 1u, wr, wload, lo, K, xr, lo_off);
                 }
+//#endif
 //#endif
 //#endif
                 let buf = s % NB;  // the buffer step s's products read

@@ -235,7 +235,7 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
         KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => format!(
-            "gemm_f16{}[{}{}{}{}{}{}{}{}{}]",
+            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}]",
             if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
@@ -253,7 +253,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
             if *center { " centred" } else { "" },
             if *bk == 64 { " k64" } else { "" },
             if *db { " db" } else { "" },
-            if *split { " split" } else { "" }
+            if *split { " split" } else { "" },
+            if prefetch_weights() && !*db { " pw" } else { "" }
         ),
         KernelSpec::RowScale { xvec, lo, aug } => format!(
             "row_scale[{}{}{}]",
@@ -271,6 +272,7 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, F16_SPLIT, GEMM_COOP])
                 .flag("GROUPED", grouped)
                 .flag("SPLIT", split && !grouped)
+                .flag("PW", prefetch_weights())
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
@@ -292,6 +294,13 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
         }
         _ => return None,
     })
+}
+
+/// Whether the single-buffered GEMM loads each step's weights two steps ahead (`PW` in
+/// `gemm_coop.wgsl`; `MARKBASE_COOP_PW=1`), not yet measured against one step ahead on a GPU
+/// with tensor cores. Read when a kernel is built (and named).
+pub fn prefetch_weights() -> bool {
+    std::env::var("MARKBASE_COOP_PW").is_ok_and(|v| v == "1")
 }
 
 /// Whether `MARKBASE_COOP_ABLATE` (comma-separated) names the ablation `what` of
