@@ -142,6 +142,15 @@ impl Batch {
         self.graph(self.decode_key(n, false))
     }
 
+    /// The matmul kernels of the decode step of `n` greedy sequences (GPU, once a step has run
+    /// it): the GEMV's or the f16 GEMM's (`--batch-f16`), by name, each once.
+    pub fn decode_matmuls(&mut self, n: usize) -> Option<Vec<String>> {
+        let mut names: Vec<String> = self.exec.kernels(self.decode_key(n, false))?.into_iter().map(|(_, k)| k).filter(|k| k.starts_with("gemv") || k.starts_with("gemm")).collect();
+        names.sort();
+        names.dedup();
+        Some(names)
+    }
+
     /// Sets timestamp profiling of the following steps (GPU); false where there is none.
     pub fn set_profile(&mut self, p: Profile) -> bool {
         self.exec.set_profile(p)

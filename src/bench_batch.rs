@@ -61,6 +61,9 @@ pub fn bench_batch(config: &ModelConfig, weights: Arc<Weights>, device: DeviceKi
             "step_ms_runs": ms,
             "tok_s": b as f64 * 1e3 / step_ms,
         });
+        if let Some(k) = batch.decode_matmuls(b) {
+            rec["matmul_kernels"] = json!(k);
+        }
         if profile && !batch.set_profile(Profile::Kernels) {
             eprintln!("note: --profile times GPU dispatches; this backend's steps have no profile");
         } else if profile {

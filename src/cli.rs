@@ -634,6 +634,10 @@ fn bench_batch(model: Option<&Path>, synthetic: Option<&str>, devices: &[DeviceK
         for r in &rows {
             println!("| {} | {} | {:.2} | {:.1} |", r["sequences"], r["rows"], r["step_ms_median"].as_f64().unwrap_or(0.0), r["tok_s"].as_f64().unwrap_or(0.0));
         }
+        if let Some(k) = rows.first().and_then(|r| r["matmul_kernels"].as_array()) {
+            let k: Vec<&str> = k.iter().filter_map(|v| v.as_str()).collect();
+            println!("\nmatmuls of a step: {}", k.join(", "));
+        }
         if o.profile {
             for r in &rows {
                 if let Some(ops) = r["gpu_profile_by_op"].as_array() {

@@ -489,6 +489,14 @@ fn bench_batch_times_decode_steps_and_refuses_bad_counts() {
     let (ok, out, err) = run(&[&tiny[..], &["--batch", "2", "--json"]].concat());
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
     assert!(ok && v["batch"][0]["sequences"] == 2 && v["batch"][0]["tok_s"].as_f64().is_some_and(|t| t > 0.0), "{out}");
+    // the several-token GEMV by default; the f16 GEMM in parts with --batch-f16 (here its FMA twin)
+    let kernels = |v: &serde_json::Value| v["batch"][0]["matmul_kernels"].as_array().map(|a| a.iter().filter_map(|k| k.as_str().map(String::from)).collect::<Vec<_>>()).unwrap_or_default();
+    let k = kernels(&v);
+    assert!(!k.is_empty() && k.iter().all(|k| k.starts_with("gemv")), "{k:?}");
+    let (ok, out, err) = run_env(&[&tiny[..], &["--batch", "2", "--json", "--batch-f16"]].concat(), &[("MARKBASE_COOP", Some("fma"))], "");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    let k = kernels(&v);
+    assert!(ok && k.iter().any(|k| k.starts_with("gemm_f16") && k.contains(" split")) && !k.iter().any(|k| k.starts_with("gemv")), "{k:?} {err}");
     fails_with(&[&tiny[..], &["--batch", "0"]].concat(), "--batch: 0 sequences");
     fails_with(&[&tiny[..], &["--batch", "65"]].concat(), "--batch: 65 sequences");
     fails_with(&[&tiny[..], &["--batch", "2", "--backend", "all"]].concat(), "one backend");
