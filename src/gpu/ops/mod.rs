@@ -27,6 +27,7 @@ pub mod embed;
 pub mod gemm_f16;
 pub mod kv_write;
 pub mod matmul;
+pub mod matmul_launch;
 pub mod rmsnorm;
 pub mod rope;
 pub mod routing;
