@@ -497,7 +497,7 @@ fn norm_matmul_formats() {
                     let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
                     let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
                     let bgs: Vec<wgpu::BindGroup> =
-                        (0..gw.chunks.len()).map(|c| mm.bind_group_norm(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, c)).collect();
+                        (0..gw.chunks.len()).map(|c| mm.bind_group_norm(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, None, c)).collect();
                     run(gpu, |pass| {
                         for (c, d) in dims.iter().enumerate() {
                             mm.dispatch(pass, &bgs[c], d);
@@ -522,7 +522,7 @@ fn norm_matmul_formats() {
                     let dims: Vec<MatMulDims> = (0..gw.chunks.len()).map(|c| MatMulDims::plain(&gw, c, 1).with_norm(scale, 1e-6)).collect();
                     let params: Vec<wgpu::Buffer> = dims.iter().map(|d| gpu.uniform("p", &mm.params(d))).collect();
                     let bgs: Vec<wgpu::BindGroup> =
-                        (0..gw.chunks.len()).map(|c| mm.bind_group_dual(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, &gw2, c)).collect();
+                        (0..gw.chunks.len()).map(|c| mm.bind_group_norm(&gpu.device, &params[c], &xb, &y, nwb.as_ref(), &gw, Some(&gw2), c)).collect();
                     run(gpu, |pass| {
                         for (c, d) in dims.iter().enumerate() {
                             mm.dispatch(pass, &bgs[c], d);
@@ -603,7 +603,7 @@ fn gemv_long_rows() {
         let y = gpu.storage("y", (n * 4) as u64);
         let d = MatMulDims::plain(&gw, 0, 1).with_norm(NormScale::OnePlusW, 1e-6);
         let pb = gpu.uniform("p", &mm.params(&d));
-        let bg = mm.bind_group_norm(&gpu.device, &pb, &xb, &y, Some(&nwb), &gw, 0);
+        let bg = mm.bind_group_norm(&gpu.device, &pb, &xb, &y, Some(&nwb), &gw, None, 0);
         run(gpu, |pass| mm.dispatch(pass, &bg, &d));
         check(&format!("norm_matmul K={k} [{label}] {}", mm.kernel.name), &gpu.read_f32(&y, n).unwrap(), &want);
     }
@@ -1188,8 +1188,8 @@ fn gemv_bandwidth() {
                 .map(|(i, w)| {
                     let y = if distinct { &ys[i] } else { &y };
                     match kind.as_str() {
-                        "norm" => mm.bind_group_norm(&gpu.device, &pb, &x, y, Some(&nw), w, 0),
-                        "geglu" => mm.bind_group_dual(&gpu.device, &pb, &x, y, Some(&nw), w, &ws[(i + 1) % layers], 0),
+                        "norm" => mm.bind_group_norm(&gpu.device, &pb, &x, y, Some(&nw), w, None, 0),
+                        "geglu" => mm.bind_group_norm(&gpu.device, &pb, &x, y, Some(&nw), w, Some(&ws[(i + 1) % layers]), 0),
                         _ => mm.bind_group(&gpu.device, &pb, &x, y, None, w, 0),
                     }
                 })

@@ -695,7 +695,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
             for ci in 0..w.chunks.len() {
                 let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
                 let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
-                let bg = k.bind_group_dual(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, wu, ci);
+                let bg = k.bind_group_norm(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, Some(wu), ci);
                 cx.push(k.kernel.clone(), bg, k.groups(&d));
             }
         }
@@ -724,7 +724,7 @@ pub(crate) fn lower(cx: &mut LowerCtx) -> Result<(), String> {
                         let d = MatMulDims::plain(w, ci, rows).with_norm(*scale, *eps);
                         let d = MatMulDims { row_start: col + d.row_start, ldy, ..d };
                         let p = cx.uni(bytemuck::bytes_of(&k.params(&d)))?;
-                        let bg = k.bind_group_norm(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, ci);
+                        let bg = k.bind_group_norm(dev, &p, &cx.input(0)?, &cx.out()?, nw.map(|v| &v.0), w, None, ci);
                         cx.push(k.kernel.clone(), bg, k.groups(&d));
                     }
                     col += w.rows;

@@ -289,10 +289,10 @@ impl MatMulKernel {
         self.kernel.bind_group(device, &res)
     }
 
-    /// Bind group for chunk `c` of the gate `w` and the up `wu` (dual GEMV) behind a fused
-    /// norm with weight `nw`.
+    /// Bind group for chunk `c` of `w` behind a fused norm with weight `nw`; with `wu`, of the
+    /// gate `w` and the up `wu` (dual GEMV).
     #[allow(clippy::too_many_arguments)]
-    pub fn bind_group_dual(
+    pub fn bind_group_norm(
         &self,
         device: &wgpu::Device,
         params: &wgpu::Buffer,
@@ -300,10 +300,10 @@ impl MatMulKernel {
         y: &wgpu::Buffer,
         nw: Option<&wgpu::Buffer>,
         w: &GpuWeight,
-        wu: &GpuWeight,
+        wu: Option<&GpuWeight>,
         c: usize,
     ) -> wgpu::BindGroup {
-        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, Some(wu), c)
+        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, wu, c)
     }
 
     /// Bind group for the single-chunk weights `ws` (at 8.., 12.., 16..) behind a fused norm with
@@ -325,21 +325,6 @@ impl MatMulKernel {
             res.extend(w.bindings(0).into_iter().map(|(b, r)| (b + 4 * i as u32, r)));
         }
         self.kernel.bind_group(device, &res)
-    }
-
-    /// Bind group for chunk `c` of `w` behind a fused norm with weight `nw`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn bind_group_norm(
-        &self,
-        device: &wgpu::Device,
-        params: &wgpu::Buffer,
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        nw: Option<&wgpu::Buffer>,
-        w: &GpuWeight,
-        c: usize,
-    ) -> wgpu::BindGroup {
-        self.bind(device, params, x, y, nw.map(|b| (4, b)).as_slice(), w, None, c)
     }
 
     pub fn dispatch(&self, pass: &mut wgpu::ComputePass<'_>, bg: &wgpu::BindGroup, d: &MatMulDims) {
