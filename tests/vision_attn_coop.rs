@@ -389,3 +389,79 @@ fn vision_attention_f16_spirv_uses_cooperative_matrices() {
     std::env::remove_var("MARKBASE_VISION_ATTN_COOP");
     assert!(n > 0, "no cooperative-matrix variant of the f16 attention");
 }
+
+/// The exponent of the power of two that brings a largest |value| `m` into [2^6, 2^7), as the
+/// kernel finds it (`up_exp`).
+fn up_exp(m: f32) -> i32 {
+    let e = ((m.to_bits() >> 23) & 0xff) as i32 - 127;
+    (6 - e).clamp(-126, 126)
+}
+
+/// Removes an environment variable when dropped (a failed assertion included).
+struct EnvGuard(&'static str);
+
+impl Drop for EnvGuard {
+    fn drop(&mut self) {
+        std::env::remove_var(self.0);
+    }
+}
+
+/// The first key tile's scores as the products leave them (`MARKBASE_VISION_ATTN_DUMP=scores`:
+/// each query row and each key scaled by its power of two, before the score factors), against
+/// the same sums in f64, for the twin and each cooperative-matrix variant: where a variant's
+/// products are wrong, this names the scores (row, key) that are, with a corner of both matrices.
+/// Bound: 2e-6 of sum_d |q k| (the hi + lo split's three products: about 22 significant bits).
+#[test]
+fn vision_attention_f16_first_tile_scores() {
+    let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
+    let mut r = rng("vision_attention_f16_scores");
+    let _products = PRODUCTS.lock().unwrap_or_else(|e| e.into_inner());
+    std::env::set_var("MARKBASE_VISION_ATTN_DUMP", "scores");
+    let _dump = EnvGuard("MARKBASE_VISION_ATTN_DUMP");
+    let limit = gpu.limits().max_compute_workgroup_storage_size;
+    let maxg = gpu.limits().max_compute_workgroups_per_dimension;
+    let c = Case { t: 70, s: 40, h: 2, kvh: 1, d: 72, mask: Mask::None, amp: (3.0, 0.5, 1.0), ramp: false };
+    let x = data(&mut r, &c);
+    let d = c.d;
+    let row_exp = |v: &[f32]| up_exp(v.iter().fold(0f32, |m, a| m.max(a.abs())));
+    let mut failures = vec![];
+    for (label, kernels, coop, products) in kernel_sets(&gpu) {
+        std::env::set_var("MARKBASE_VISION_ATTN_COOP", products);
+        let spec = vision_coop::shape_for(limit, coop, d, false).unwrap_or_else(|| panic!("{label}: no f16 attention for D={d}"));
+        let KernelSpec::VisionAttnF16 { kt, .. } = spec else { unreachable!() };
+        let kt = kt as usize;
+        assert!(kernels.get(spec).unwrap().name.contains("dump_s"), "{label}: the diagnostic is built");
+        let got = run_spec(&gpu, &kernels, spec, &c, &x, vision_coop::groups(c.t, c.h, maxg));
+        let (mut worst, mut at) = (0f64, (0, 0, 0));
+        let mut corner = String::new();
+        for t in 0..c.t {
+            for h in 0..c.h {
+                let q = &x.q[(t * c.h + h) * d..][..d];
+                let qs = 2f64.powi(row_exp(q));
+                for j in 0..kt.min(c.s) {
+                    let k = &x.k[j * c.kvh * d..][..d];
+                    let ks = 2f64.powi(row_exp(k));
+                    let (mut s, mut m) = (0f64, 0f64);
+                    for e in 0..d {
+                        let p = q[e] as f64 * qs * k[e] as f64 * ks;
+                        s += p;
+                        m += p.abs();
+                    }
+                    let g = got[(t * c.h + h) * d + j] as f64;
+                    let err = if g.is_finite() { (g - s).abs() / m.max(1e-30) } else { f64::INFINITY };
+                    if err > worst {
+                        (worst, at) = (err, (t, h, j));
+                    }
+                    if t < 3 && h == 0 && j < 4 {
+                        corner += &format!(" [{t},{j}] {g:.4} want {s:.4}");
+                    }
+                }
+            }
+        }
+        println!("{label} ({}): first tile's scores, worst {worst:.2e} of sum|q k| at query {} head {} key {}; corner:{corner}", spec.name(), at.0, at.1, at.2);
+        if worst > 2e-6 {
+            failures.push(format!("{label}: scores off by {worst:.2e} of sum|q k| at query {} head {} key {}", at.0, at.1, at.2));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -284,6 +284,8 @@ fn rescale_slot(g: u32, l: u32, slot: u32) {
     }
 }
 
+// DUMP_S (a diagnostic, for heads of at least KT dims): see the scores' section.
+//
 // SGB (a diagnostic, with COOP): a subgroup barrier before each run of cooperative-matrix
 // operations, so that a subgroup's invocations enter them together after divergent code.
 fn converge() {
@@ -458,6 +460,17 @@ fn main(
             }
 //#endif
             workgroupBarrier();
+//#if DUMP_S
+            // a diagnostic: the first key tile's scores (the scaled queries' rows times the scaled
+            // keys': before the score factors) over the first KT columns of each query's output
+            // row, and nothing else
+            if hh == 0u && t0 + ti < nt {
+                for (var j = 0u; j < KT; j++) {
+                    out[((t0 + ti) * p.heads + h) * p.d + j] = ss[ti * LDS + j];
+                }
+            }
+            return;
+//#endif
 
             // ---- V's loads (staged after the softmax, in K's place)
             let vrow = ks * p.kv + kh;

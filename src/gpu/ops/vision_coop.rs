@@ -63,6 +63,14 @@ pub fn converge() -> bool {
     std::env::var("MARKBASE_VISION_ATTN_SGB").is_ok_and(|v| v == "1")
 }
 
+/// A diagnostic (`MARKBASE_VISION_ATTN_DUMP=scores`): the kernel writes the first key tile's
+/// scores (scaled queries times scaled keys, as the products leave them) over the first 32 (or
+/// 16) columns of each query's output row and stops there (`tests/vision_attn_coop.rs` checks
+/// them). Read when a kernel is built (and named).
+pub fn dump_scores() -> bool {
+    std::env::var("MARKBASE_VISION_ATTN_DUMP").is_ok_and(|v| v == "scores")
+}
+
 /// Whether V is staged transposed (`[d][key]`, loaded column-major by the P V product, as the
 /// GEMM loads its weights) instead of as its rows (loaded row-major): `MARKBASE_VISION_ATTN_VT=0`
 /// keeps the rows.
@@ -148,7 +156,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
     let (qk, pv) = coop_products();
     Some(format!(
-        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}{}]",
+        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}{}{}]",
         match (coop, qk, pv) {
             (false, ..) => "fma",
             (true, true, true) => "coop",
@@ -163,7 +171,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
         if v4 { " v4" } else { "" },
         if pf { " pf" } else { "" },
         if v_transposed() { " vt" } else { "" },
-        if coop && converge() { " sgb" } else { "" }
+        if coop && converge() { " sgb" } else { "" },
+        if dump_scores() { " dump_s" } else { "" }
     ))
 }
 
@@ -187,7 +196,8 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .flag("V4", v4)
             .flag("PF", pf)
             .flag("VT", v_transposed())
-            .flag("SGB", coop && converge()),
+            .flag("SGB", coop && converge())
+            .flag("DUMP_S", dump_scores()),
     )
 }
 
