@@ -9,8 +9,9 @@
 //! from its own inputs, and the matmuls of a step's graph compute each row as they would at
 //! any other row count of the graphs a batch runs (the CPU reference computes every row the
 //! same way; on a GPU, the decode graphs have 2 to 64 rows, and their dense matmuls all take
-//! the several-token GEMV with one workgroup size, whose sums of a row do not depend on the
-//! other rows: see `Kernels::matmul_rowwise`). Rows past the sequences of a step are idle: they
+//! the several-token GEMV with one workgroup size, or with `--batch-f16` the f16 GEMM with a
+//! fixed number of parts of K per weight, whose sums of a row do not depend on the other rows:
+//! see `Kernels::matmul_rowwise`). Rows past the sequences of a step are idle: they
 //! read slot `u32::MAX`, write nothing and attend to nothing.
 //!
 //! ```no_run

@@ -68,7 +68,7 @@ fn row_gemm_rows_do_not_depend_on_the_row_count() {
             let tmax = *ROWS.last().unwrap();
             let x = randn(&mut r, tmax * k, amp);
             let (want, mag) = exact(&x, &wref, tmax, n, k);
-            let mm = kk.row_f16(fmt, k, n).unwrap();
+            let mm = kk.row_f16(fmt, k).unwrap();
             let KernelSpec::GemmF16 { hilo, split, center, .. } = mm.spec else { panic!("{label}: not the f16 GEMM: {:?}", mm.spec) };
             assert!(split || !kk.opts.merge_splits, "{label}: K is cut where the backend merges in a kernel");
             let exact_w = center || gemm_f16::values_in_f16(fmt);
@@ -130,7 +130,7 @@ fn split_gemm_over_several_token_tiles() {
     let wref = markbase::quant::dequantize(&wd).unwrap();
     let gw = upload_weight(&gpu, &wd, None).unwrap();
     for (label, kk, _) in kernels(&gpu) {
-        let KernelSpec::GemmF16 { coop, m8, hilo, vs, center, bk, db, .. } = kk.row_f16(fmt, k, n).unwrap().spec else { unreachable!() };
+        let KernelSpec::GemmF16 { coop, m8, hilo, vs, center, bk, db, .. } = kk.row_f16(fmt, k).unwrap().spec else { unreachable!() };
         for (t, mt) in [(150, 2u8), (300, 4)] {
             let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped: false, split: true }).unwrap();
             let x = randn(&mut r, t * k, 3.0);

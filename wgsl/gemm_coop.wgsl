@@ -89,9 +89,9 @@ fn part_base(tile: u32, z: u32) -> u32 {
     return (tile * p.ksplit + z) * (BT * BN);
 }
 
-// The split's end of a tile (rows r0 .., tokens t0 .. end): stores this workgroup's sums (written
-// to `part` from pb on) for the others, counts itself; the last one adds the parts in order and
-// writes y. Called from uniform control flow.
+// The split's end of a tile (rows r0 .., tokens t0 .. end), once this workgroup's sums are in
+// `part` (result_out, or the twin's stores): fences them for the others and counts itself; the
+// last one adds the parts in order and writes y. Called from uniform control flow.
 fn split_finish(lid: u32, tile: u32, t0: u32, end: u32, r0: u32, gsc: f32) {
     storageBarrier();
     if lid == 0u {

@@ -365,11 +365,11 @@ pub fn ksplit(tiles: usize, steps: usize) -> usize {
     steps.div_ceil(steps.div_ceil(want.clamp(1, steps)))
 }
 
-/// Parts of K of the f16 GEMM with tiles of `mt` ([`tile_mt`]) over `rows` rows of `k` columns
-/// and `t` tokens ([`ksplit`]).
+/// Parts of K ([`ksplit`]) the f16 GEMM `spec` (its tiles and steps) would take over `rows` rows
+/// of `k` columns and `t` tokens, were it split; 1 for other kernels.
 pub fn ksplit_for(spec: &KernelSpec, rows: usize, k: usize, t: usize) -> usize {
     match *spec {
-        KernelSpec::GemmF16 { mt, bk, split: true, .. } => ksplit(div_ceil(rows, TILE_N) * div_ceil(t, 32 * mt as usize), k_aug(spec, k).div_ceil(bk as usize)),
+        KernelSpec::GemmF16 { mt, bk, .. } => ksplit(div_ceil(rows, TILE_N) * div_ceil(t, 32 * mt as usize), k_aug(spec, k).div_ceil(bk as usize)),
         _ => 1,
     }
 }
@@ -380,14 +380,8 @@ pub fn ksplit_for(spec: &KernelSpec, rows: usize, k: usize, t: usize) -> usize {
 /// 1,972 tok/s and the 1B from 17,702 to 14,553.
 pub fn prefill_split(spec: &KernelSpec, rows: usize, k: usize, t: usize, merge: bool) -> bool {
     let KernelSpec::GemmF16 { grouped: false, .. } = *spec else { return false };
-    let on = merge && std::env::var("MARKBASE_COOP_SPLIT").is_ok_and(|v| v == "1");
-    on && rows < usize::MAX && {
-        let mut s = *spec;
-        if let KernelSpec::GemmF16 { split, .. } = &mut s {
-            *split = true;
-        }
-        ksplit_for(&s, rows, k, t) > 1
-    }
+    // (rows unknown: usize::MAX)
+    merge && rows < usize::MAX && std::env::var("MARKBASE_COOP_SPLIT").is_ok_and(|v| v == "1") && ksplit_for(spec, rows, k, t) > 1
 }
 
 /// Workgroups a split GEMM aims at ([`ksplit`]): two per multiprocessor of an H100 or H200.

@@ -446,7 +446,7 @@ impl Kernels {
     /// the GEMV: with `MARKBASE_ROW_GEMM=f16` (`--batch-f16`) wherever the f16 GEMM is on (its
     /// FMA twin too). Measured on an H100 (Gemma 3 12B, steps of 2 / 16 / 64 rows): 57.5 / 60.5 /
     /// 74.2 ms against the GEMV's 14.6 / 47.2 / 150.2, so the GEMV stays the default: the f16
-    /// GEMM's weight staging (about 110 GB/s of 4-bit weights) bounds its steps.
+    /// GEMM's weight staging (about 124 GB/s of 4-bit weights) bounds its steps.
     pub fn row_gemm(&self) -> bool {
         std::env::var("MARKBASE_ROW_GEMM").is_ok_and(|v| v == "f16") && self.opts.coop != CoopMode::Off
     }
@@ -454,14 +454,23 @@ impl Kernels {
     /// The f16 GEMM's spec for `fmt` over `n` x `k` and `t` tokens (`grouped`: `t` per expert,
     /// on average; the default staging).
     fn f16_spec(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, grouped: bool) -> KernelSpec {
+        let (coop, hilo) = (self.opts.coop.coop().0, gemm_f16::hilo(fmt, k));
+        let mt = gemm_f16::tile_mt(coop, hilo, n, t, self.limits.max_compute_workgroup_storage_size);
+        let mut spec = self.f16_spec_mt(fmt, k, mt, grouped);
+        let cut = gemm_f16::prefill_split(&spec, n, k, t, self.opts.merge_splits);
+        if let KernelSpec::GemmF16 { split, .. } = &mut spec {
+            *split = cut;
+        }
+        spec
+    }
+
+    /// The f16 GEMM's spec for `fmt` over rows of `k` with tiles of `mt` ([`gemm_f16::tile_mt`]),
+    /// K whole: the split of the inputs the format takes, the default staging for those tiles.
+    fn f16_spec_mt(&self, fmt: GpuFormat, k: usize, mt: u8, grouped: bool) -> KernelSpec {
         let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt, k));
         let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt, k);
-        let smem = self.limits.max_compute_workgroup_storage_size;
-        let mt = gemm_f16::tile_mt(coop, hilo, n, t, smem);
-        let (bk, db) = if grouped { (32, false) } else { gemm_f16::staging(coop, hilo, mt, smem) };
-        let spec = KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split: false };
-        let split = gemm_f16::prefill_split(&spec, n, k, t, self.opts.merge_splits);
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split }
+        let (bk, db) = if grouped { (32, false) } else { gemm_f16::staging(coop, hilo, mt, self.limits.max_compute_workgroup_storage_size) };
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split: false }
     }
 
     /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
@@ -498,30 +507,30 @@ impl Kernels {
         self.get(KernelSpec::RowScale { xvec: k % 4 == 0, lo, aug })
     }
 
-    /// A matmul of a batch's decode step (`t` rows, one per sequence) over a weight of `n` x `k`:
+    /// A matmul of a batch's decode step (`t` rows, one per sequence) over rows of `k`:
     /// the f16 GEMM with K in parts ([`Kernels::row_f16`]) where [`Kernels::row_gemm`] says so,
     /// else the several-token GEMV ([`Kernels::row_gemv`]). Either way, at every row count of the
     /// graphs a batch runs, for a given weight: a row's sums do not depend on the other rows.
-    pub fn matmul_rowwise(&self, fmt: GpuFormat, k: usize, n: usize, t: usize) -> Result<MatMulKernel, GpuError> {
+    pub fn matmul_rowwise(&self, fmt: GpuFormat, k: usize, t: usize) -> Result<MatMulKernel, GpuError> {
         if self.row_gemm() {
-            return self.row_f16(fmt, k, n);
+            return self.row_f16(fmt, k);
         }
         self.row_gemv(fmt, k, t)
     }
 
-    /// The f16 GEMM of a batch's decode steps over a weight of `n` x `k` (the same kernel at every
-    /// row count): tiles of 64 tokens, K in [`gemm_f16::ksplit`] parts (where the backend
+    /// The f16 GEMM of a batch's decode steps over rows of `k` (the same kernel at every row
+    /// count): tiles of 64 tokens, K in [`gemm_f16::ksplit`] parts (a number each dispatch's
+    /// weight rows set) (where the backend
     /// merges splits in a kernel; else whole), each part's sums added in part order, so that a
     /// row's result is the same whatever the other rows. One tile of tokens up to 64 rows: the
     /// weights are decoded once per step, where the GEMV decodes them once per four rows.
-    pub fn row_f16(&self, fmt: GpuFormat, k: usize, n: usize) -> Result<MatMulKernel, GpuError> {
+    pub fn row_f16(&self, fmt: GpuFormat, k: usize) -> Result<MatMulKernel, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
-        match self.f16_spec(fmt, k, n, 64, false) {
-            KernelSpec::GemmF16 { fmt, coop, m8, hilo, vs, center, bk, db, .. } => {
-                self.matmul_spec(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt: 2, vs, center, bk, db, grouped: false, split: self.opts.merge_splits })
-            }
-            spec => Err(GpuError::Kernel { name: spec.name(), msg: "not the f16 GEMM".into() }),
+        let mut spec = self.f16_spec_mt(fmt, k, 2, false);
+        if let KernelSpec::GemmF16 { split, .. } = &mut spec {
+            *split = self.opts.merge_splits;
         }
+        self.matmul_spec(spec)
     }
 
     /// The several-token GEMV of a batch's decode steps (`t` rows), in token groups of
@@ -574,7 +583,7 @@ impl Kernels {
 pub(crate) fn matmul_into(cx: &mut LowerCtx, w: &GpuWeight, x: &wgpu::Buffer, src: Option<NodeIndex>, rows: usize, y: &wgpu::Buffer) -> Result<(), String> {
     let (dev, kernels) = (cx.dev(), cx.kernels);
     let k = if cx.row_batch {
-        kernels.matmul_rowwise(w.format, w.k, w.rows, rows)
+        kernels.matmul_rowwise(w.format, w.k, rows)
     } else {
         kernels.matmul_rows(w.format, w.k, w.rows, rows, false)
     }
