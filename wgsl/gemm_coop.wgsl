@@ -44,8 +44,9 @@
 // instead of f16.
 //
 // Ablations, for timing the parts (`MARKBASE_COOP_ABLATE`; wrong results): ABL_NOSTAGE leaves the
-// staging out (no loads, no stores: the products run on what the buffers hold), ABL_SPLIT = 2 runs
-// the 16 x 16 products of half of each step.
+// staging out (no loads, no stores: the products run on what the buffers hold), ABL_NOW the
+// weights' staging, ABL_NOX the activations', ABL_NOWLOAD the weights' loads (made-up words,
+// decoded and stored); ABL_SPLIT = 2 runs the 16 x 16 products of half of each step.
 //
 // GROUPED (Op::GroupedMatMul, as gemm.wgsl's GROUPED): the tokens are the P = T S (token,
 // expert) pairs, grouped by expert in `grp` (binding 3, Op::MoeGroup's value). The grid has a
@@ -326,27 +327,78 @@ fn load_w(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI> {
     var w: array<ROct, OPI>;
     for (var h = 0u; h < OPI; h++) {
         w[h] = ROct(vec4<u32>(0u), vec4<u32>(0u));
+//#if ABL_NOWLOAD
+        // words made up from the indices: decoded and stored, never read from memory
+        w[h] = ROct(vec4<u32>(wr * 0x9e3779b9u + s, s * 7u + h, 0x3c003c00u, 0u), vec4<u32>(0u));
+//#else
         if wload {
             w[h] = oct_raw(wr, s * (BK / 8u) + OPI * lo + h, K);
         }
+//#endif
     }
     return w;
 }
 
+//#if WV
+// load_w for 4-bit affine weights with K % 32 == 0 (wq read as vec4<u32>, one word per octet):
+// the loader's OPI words in one load (half of a 16-byte word with steps of 32, all of one with
+// steps of 64) and its group's scale words once (its 8 OPI columns lie in one group); zeros past
+// K (the centring's columns: a loader's columns are all within K or all past it).
+fn load_w_vec(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI> {
+    var w: array<ROct, OPI>;
+    let c0 = s * BK + 8u * OPI * lo;  // the loader's first column
+    var q = vec4<u32>(0u);
+    var sc = vec2<u32>(0u);
+    if wload && c0 < K {
+        let v = wq[wr * (K / 32u) + c0 / 32u];
+        q = v;
+        if OPI == 2u && lo == 1u {
+            q = v.zwxy;
+        }
+        sc = sc_words(wr * (K / WGROUP) + c0 / WGROUP);
+    }
+//#repeat 4 h
+    if $hu < OPI {
+        w[min($hu, OPI - 1u)] = ROct(vec4<u32>(q[$hu], 0u, sc), vec4<u32>(0u));
+    }
+//#endrepeat
+    return w;
+}
+//#endif
+
 // Issues step s's loads: its weights (load_w) and activations (load_step_w).
-fn load_step(s: u32, wr: u32, wload: bool, lo: u32, K: u32, xr: u32, lo_off: u32) -> Loads {
-    return load_step_w(s, load_w(s, wr, wload, lo, K), xr, lo_off);
+fn load_step(s: u32, wr: u32, wload: bool, lo: u32, K: u32, xr: u32, xload: bool, lo_off: u32) -> Loads {
+    return load_step_w(s, load_w_any(s, wr, wload, lo, K), xr, xload, lo_off);
+}
+
+// Step s's weight loads: load_w_vec where it applies, else load_w.
+fn load_w_any(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI> {
+//#if WV && !ABL_NOWLOAD
+    if K % 32u == 0u {
+        return load_w_vec(s, wr, wload, lo, K);
+    }
+//#endif
+    return load_w(s, wr, wload, lo, K);
 }
 
 // Step s's loads with its weights `w` (issued earlier with PW): issues the vec4s of x16 from xr
-// (the loader's first of step 0; lo parts from lo_off on).
-fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, lo_off: u32) -> Loads {
+// (the loader's first of step 0; lo parts from lo_off on); zeros where !xload (a token past the
+// tile's end: a batch's decode step fills few of its tile's 64).
+fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, xload: bool, lo_off: u32) -> Loads {
     var v: Loads;
     v.w = w;
     for (var j = 0u; j < XPT; j++) {
-        v.xh[j] = x16[xr + (BK / 4u) * s + j];
+        v.xh[j] = vec4<f16>(0.0);
 //#if HILO_X
-        v.xl[j] = x16[lo_off + xr + (BK / 4u) * s + j];
+        v.xl[j] = vec4<f16>(0.0);
+//#endif
+//#if !ABL_NOX
+        if xload {
+            v.xh[j] = x16[xr + (BK / 4u) * s + j];
+//#if HILO_X
+            v.xl[j] = x16[lo_off + xr + (BK / 4u) * s + j];
+//#endif
+        }
 //#endif
     }
     return v;
@@ -357,6 +409,7 @@ fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, lo_off: u32) -> Loads {
 fn store_step(v: Loads, s: u32, buf: u32, wr: u32, wload: bool, lr: u32, lo: u32, lt: u32, lq: u32, K: u32) {
     let xb = buf * XS + lt * LDS + 4u * lq;
     let wb = buf * WS + lr * LDS + 8u * OPI * lo;
+//#if !ABL_NOW
     for (var h = 0u; h < OPI; h++) {
         let oi = s * (BK / 8u) + OPI * lo + h;
 //#if CENTER
@@ -402,6 +455,8 @@ fn store_step(v: Loads, s: u32, buf: u32, wr: u32, wload: bool, lr: u32, lo: u32
         }
 //#endif
     }
+//#endif
+//#if !ABL_NOX
     for (var j = 0u; j < XPT; j++) {
 //#if VS
         xs[xb / 4u + j] = v.xh[j];
@@ -417,6 +472,7 @@ fn store_step(v: Loads, s: u32, buf: u32, wr: u32, wload: bool, lr: u32, lo: u32
         }
 //#endif
     }
+//#endif
 }
 
 @compute @workgroup_size(256)
@@ -426,6 +482,12 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let K = p.K;
+//#if ABL_NOW || ABL_NOX || ABL_NOWLOAD
+    // the ablations leave bindings unread: keep them in the kernel
+    if K == 0xffffffffu {
+        y[0] = f32(wword(0u)) + f32(x16[0].x);
+    }
+//#endif
     let kq = k_pad(k_aug(K)) / 4u;  // vec4s per x16 row
 //#if GROUPED
     let xrows = select(p.T, p.T / p.S, p.x_bcast != 0u);  // x16's rows
@@ -476,14 +538,15 @@ fn main(
         let gsc = w_global(0u);
 //#endif
         let xr = x_row(t0 + lt, tend) * kq + lq;   // x16 index of the loader's first vec4 (step 0)
+        let xload = t0 + lt < tend;                // its token is one of the tile's
         for (var rx = wid.x; rx < nrt; rx += nwg.x) {
             let r0 = rx * BN;
             let wr = wbase + r0 + lr;
             let wload = r0 + lr < p.rows;
-            var lv = load_step(sb, wr, wload, lo, K, xr, lo_off);
+            var lv = load_step(sb, wr, wload, lo, K, xr, xload, lo_off);
 //#if PW && !DB
             // PW: the weights of the step after the next, issued a step before their activations
-            var lw = load_w(sb + 1u, wr, wload && sb + 1u < se, lo, K);
+            var lw = load_w_any(sb + 1u, wr, wload && sb + 1u < se, lo, K);
 //#endif
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
@@ -514,7 +577,7 @@ fn main(
             workgroupBarrier();
             store_step(lv, sb, sb % 2u, wr, wload, lr, lo, lt, lq, K);
             if sb + 1u < se {
-                lv = load_step(sb + 1u, wr, wload, lo, K, xr, lo_off);
+                lv = load_step(sb + 1u, wr, wload, lo, K, xr, xload, lo_off);
             }
 //#endif
             for (var s = sb; s < se; s++) {
@@ -527,7 +590,7 @@ fn main(
                 if s + 1u < se {
                     store_step(lv, s + 1u, (s + 1u) % 2u, wr, wload, lr, lo, lt, lq, K);
                     if s + 2u < se {
-                        lv = load_step(s + 2u, wr, wload, lo, K, xr, lo_off);
+                        lv = load_step(s + 2u, wr, wload, lo, K, xr, xload, lo_off);
                     }
                 }
 //#endif
@@ -543,14 +606,14 @@ fn main(
 //#if !ABL_NOSTAGE
 //#if PW
                 if s + 1u < se {
-                    lv = load_step_w(s + 1u, lw, xr, lo_off);
+                    lv = load_step_w(s + 1u, lw, xr, xload, lo_off);
                 }
                 if s + 2u < se {
-                    lw = load_w(s + 2u, wr, wload, lo, K);
+                    lw = load_w_any(s + 2u, wr, wload, lo, K);
                 }
 //#else
                 if s + 1u < se {
-                    lv = load_step(s + 1u, wr, wload, lo, K, xr, lo_off);
+                    lv = load_step(s + 1u, wr, wload, lo, K, xr, xload, lo_off);
                 }
 //#endif
 //#endif

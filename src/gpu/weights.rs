@@ -1,6 +1,7 @@
 //! GPU weight layout and upload.
 //!
-//! Tensors are uploaded with their stored bytes (zero-padded to 4 bytes): packed u32 words
+//! Tensors are uploaded with their stored bytes (zero-padded to 4 bytes, a weight's packed words
+//! to 16): packed u32 words
 //! `[rows, K*bits/32]`; mx/nv u8 scales four per word; the nvfp4 `global_scale` as f32; float
 //! weights as bf16/f16 pairs or f32. Affine scales and biases are interleaved, in their stored
 //! dtype: group g's scale then its bias (one u32 word for bf16/f16, two for f32), so that a
@@ -179,6 +180,17 @@ fn slice_bytes(t: &RawTensor, row_bytes: usize, r0: usize, r1: usize) -> &[u8] {
     &t.bytes[r0 * row_bytes..r1 * row_bytes]
 }
 
+/// `bytes` zero-padded to a multiple of 16, so that kernels may bind the words as vec4<u32>
+/// (a binding's array holds whole elements only).
+fn pad16(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if bytes.len() % 16 == 0 && !bytes.is_empty() {
+        return std::borrow::Cow::Borrowed(bytes);
+    }
+    let mut v = bytes.to_vec();
+    v.resize(bytes.len().div_ceil(16).max(1) * 16, 0);
+    std::borrow::Cow::Owned(v)
+}
+
 /// Scales and biases of equal length, stored as `dtype`, interleaved entry by entry.
 fn interleave(scales: &[u8], biases: &[u8], dtype: FloatType) -> Vec<u8> {
     fn pairs<const S: usize>(scales: &[u8], biases: &[u8]) -> Vec<u8> {
@@ -234,7 +246,7 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
     while r0 < rows {
         let r1 = (r0 + chunk_rows).min(rows);
         let label = format!("weight {name} chunk {} (rows {r0}..{r1})", chunks.len());
-        let wbuf = gpu.try_upload(&label, slice_bytes(&w.weight, wb, r0, r1))?;
+        let wbuf = gpu.try_upload(&label, &pad16(slice_bytes(&w.weight, wb, r0, r1)))?;
         let scales = match format {
             GpuFormat::Affine { scale, .. } => {
                 let s = slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1);

@@ -235,7 +235,7 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
         KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => format!(
-            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}]",
+            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}{}]",
             if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
@@ -248,13 +248,18 @@ fn name(spec: &KernelSpec) -> Option<String> {
                 Hilo::X => " hilo_x",
                 Hilo::Both => " hilo",
             },
-            if *mt == 4 { " t128" } else { " t64" },
+            match *mt {
+                4 => " t128",
+                1 => " t32",
+                _ => " t64",
+            },
             if *vs { " vs" } else { "" },
             if *center { " centred" } else { "" },
             if *bk == 64 { " k64" } else { "" },
             if *db { " db" } else { "" },
             if *split { " split" } else { "" },
-            if prefetch_weights() && !*db { " pw" } else { "" }
+            if prefetch_weights() && !*db { " pw" } else { "" },
+            if wide_weight_loads(*fmt) { " wv" } else { "" }
         ),
         KernelSpec::RowScale { xvec, lo, aug } => format!(
             "row_scale[{}{}{}]",
@@ -286,8 +291,12 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
                 .flag("VS", vs)
                 .flag("CENTER", center)
                 .flag("ABL_NOSTAGE", ablate("nostage"))
+                .flag("ABL_NOW", ablate("now"))
+                .flag("ABL_NOX", ablate("nox"))
+                .flag("ABL_NOWLOAD", ablate("nowload"))
                 .c("ABL_SPLIT", if ablate("half") { 2 } else { 1 });
-            weight_source(s, fmt, false, false, false)
+            let wv = wide_weight_loads(fmt);
+            weight_source(s, fmt, false, false, false).flag("WV", wv).flag("W_VEC4", wv)
         }
         KernelSpec::RowScale { xvec, lo, aug } => {
             Source::new(&[GEMM_COMMON, F16_SPLIT, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo).flag("AUG", aug > 0).c("GS", aug.max(1))
@@ -303,8 +312,18 @@ pub fn prefetch_weights() -> bool {
     std::env::var("MARKBASE_COOP_PW").is_ok_and(|v| v == "1")
 }
 
+/// Whether the GEMM loads a step's 4-bit affine weights (groups of 32 or more) a 16-byte word at
+/// a time (`WV` in `gemm_coop.wgsl`: rows of K % 32 == 0; one load of codes and one of scale
+/// words per loader and step, where the generic decoder makes one of each per octet): with
+/// `MARKBASE_COOP_WV=1`. Read when a kernel is built (and named).
+pub fn wide_weight_loads(fmt: GpuFormat) -> bool {
+    matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && std::env::var("MARKBASE_COOP_WV").is_ok_and(|v| v == "1")
+}
+
 /// Whether `MARKBASE_COOP_ABLATE` (comma-separated) names the ablation `what` of
-/// `gemm_coop.wgsl` (`nostage`, `half`): for timing its parts; the results are wrong.
+/// `gemm_coop.wgsl` (`nostage`: no staging; `now`: no weight staging; `nox`: no activations'
+/// staging; `nowload`: weights made up, decoded and stored but never read; `half`: half the
+/// products): for timing its parts; the results are wrong.
 fn ablate(what: &str) -> bool {
     std::env::var("MARKBASE_COOP_ABLATE").is_ok_and(|v| v.split(',').any(|a| a == what))
 }
@@ -354,12 +373,14 @@ fn variants() -> Vec<KernelSpec> {
 /// activations' rows take `steps` steps: enough parts for about [`SPLIT_WORKGROUPS`] workgroups,
 /// of at least [`SPLIT_MIN_STEPS`] steps each (and none empty). A batch's decode steps (up to 64
 /// tokens: one tile of tokens) get the same parts at every row count for a given weight, so that
-/// a row's sums do not change with the row count. `MARKBASE_COOP_KSPLIT` sets it (1: none).
+/// a row's sums do not change with the row count. `MARKBASE_COOP_KSPLIT` sets it (1: none),
+/// `MARKBASE_COOP_SPLIT_WG` the workgroups aimed at.
 pub fn ksplit(tiles: usize, steps: usize) -> usize {
+    let target = std::env::var("MARKBASE_COOP_SPLIT_WG").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(SPLIT_WORKGROUPS);
     let want = std::env::var("MARKBASE_COOP_KSPLIT")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or_else(|| SPLIT_WORKGROUPS.div_ceil(tiles.max(1)).min(steps / SPLIT_MIN_STEPS));
+        .unwrap_or_else(|| target.div_ceil(tiles.max(1)).min(steps / SPLIT_MIN_STEPS));
     let steps = steps.max(1);
     // every part holds steps.div_ceil(want) steps but the last
     steps.div_ceil(steps.div_ceil(want.clamp(1, steps)))

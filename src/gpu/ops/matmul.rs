@@ -526,7 +526,9 @@ impl Kernels {
     /// weights are decoded once per step, where the GEMV decodes them once per four rows.
     pub fn row_f16(&self, fmt: GpuFormat, k: usize) -> Result<MatMulKernel, GpuError> {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
-        let mut spec = self.f16_spec_mt(fmt, k, 2, false);
+        // tiles of 64 tokens; `MARKBASE_ROW_MT=1` takes tiles of 32 (the same sums per row)
+        let mt = if env_u32("MARKBASE_ROW_MT") == Some(1) { 1 } else { 2 };
+        let mut spec = self.f16_spec_mt(fmt, k, mt, false);
         if let KernelSpec::GemmF16 { split, .. } = &mut spec {
             *split = self.opts.merge_splits;
         }
