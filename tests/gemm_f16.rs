@@ -160,7 +160,8 @@ fn gemm_f16_several_tiles_and_huge_activations() {
 
 /// Prefill GEMM throughput: `cargo test --release --test gemm_f16 -- --ignored throughput --nocapture`.
 /// Gemma 3 12B's prefill shapes (`[N, K]` of q, k/v, o, gate/up, down; affine 4-bit g64) at
-/// `MARKBASE_BENCH_T` tokens (default 512): the f32 GEMM and every f16 variant that fits the
+/// `MARKBASE_BENCH_T` tokens (default 512; `MARKBASE_BENCH_SHAPES` picks shapes): the f32 GEMM
+/// and every f16 variant that fits the
 /// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs[:flag...]` items, e.g. `both:2:0,x:4:1:c`,
 /// `x:2:1:c:k64:db`; flags in any order: `c` centred weights, `k64` steps of 64, `db` double
 /// buffers), each GEMM
@@ -211,7 +212,12 @@ fn throughput() {
     let opts = |coop| KernelOptions { coop, ..KernelOptions::for_gpu(&gpu) };
     let kf16 = Kernels::new(&gpu, opts(coop)).unwrap();
     let kf32 = Kernels::new(&gpu, opts(CoopMode::Off)).unwrap();
+    // `MARKBASE_BENCH_SHAPES`: some of them, as `NxK` items (e.g. `15360x3840,3840x15360`)
+    let only = std::env::var("MARKBASE_BENCH_SHAPES").ok();
     for (n, k) in [(4096, 3840), (2048, 3840), (3840, 4096), (15360, 3840), (3840, 15360)] {
+        if only.as_ref().is_some_and(|o| !o.split(',').any(|x| x == format!("{n}x{k}"))) {
+            continue;
+        }
         let wd = random_weight(&mut r, fmt, &[n, k]);
         let ws: Vec<_> = (0..layers).map(|_| upload_weight(&gpu, &wd, None).unwrap()).collect();
         let x = gpu.upload_f32("x", &randn(&mut r, t * k, 1.0));

@@ -76,7 +76,12 @@ fn pair_at(o: u32) -> u32 {
 
 //#if X16
 // x / s as f16 (row_scale.wgsl): [TP][KP] hi parts, then (HILO_X) [TP][KP] lo parts
+//#if XW
+// (read 16 bytes at a time: eight f16)
+@group(0) @binding(1) var<storage, read> x16: array<vec4<u32>>;
+//#else
 @group(0) @binding(1) var<storage, read> x16: array<vec4<f16>>;
+//#endif
 //#else
 //#if XVEC
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;

@@ -23,6 +23,10 @@
 // step before theirs), its activations one step ahead: twice the weight bytes in flight, for a
 // few more registers.
 //
+// PD (without DB and PW): each step's weights are loaded SU steps ahead, into slot s % SU of SU
+// sets of registers; the step loop is unrolled SU times so that every slot is a variable of its
+// own (no copies between slots, which would wait for their loads).
+//
 // DB: two copies of each staging buffer, one barrier per step. Step s multiplies buffer s % 2;
 // before that, right after the step's barrier, step s + 1's values (loaded during step s - 1)
 // are stored into the other buffer and step s + 2's loads are issued. The barrier of step s
@@ -392,7 +396,7 @@ fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, xload: bool, lo_off: u32) -
 //#if HILO_X
         v.xl[j] = vec4<f16>(0.0);
 //#endif
-//#if !ABL_NOX
+//#if !ABL_NOX && !XW
         if xload {
             v.xh[j] = x16[xr + (BK / 4u) * s + j];
 //#if HILO_X
@@ -401,13 +405,46 @@ fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, xload: bool, lo_off: u32) -
         }
 //#endif
     }
+//#if !ABL_NOX && XW
+    // XW: 16-byte words (xr, lo_off in those): the loader's chunks i of its token's step are
+    // h + TPR i (xcol)
+    if xload {
+        for (var i = 0u; i < XPT / 2u; i++) {
+            let u = x16[xr + (BK / 8u) * s + TPR * i];
+            v.xh[2u * i] = h4(u.x, u.y);
+            v.xh[2u * i + 1u] = h4(u.z, u.w);
+//#if HILO_X
+            let ul = x16[lo_off + xr + (BK / 8u) * s + TPR * i];
+            v.xl[2u * i] = h4(ul.x, ul.y);
+            v.xl[2u * i + 1u] = h4(ul.z, ul.w);
+//#endif
+        }
+    }
+//#endif
     return v;
+}
+
+//#if XW
+// Four f16 from their bits (two words; exact through f32).
+fn h4(a: u32, b: u32) -> vec4<f16> {
+    return vec4<f16>(vec4<f32>(unpack2x16float(a), unpack2x16float(b)));
+}
+//#endif
+
+// Where the loader's loaded vec4 j of activations goes in its token's staged row (in vec4s):
+// lq + j, or with XW (16-byte chunks h + TPR i, h = lq / XPT) 2 (h + TPR (j / 2)) + j % 2.
+fn xcol(lq: u32, j: u32) -> u32 {
+//#if XW
+    return 2u * (lq / XPT + TPR * (j / 2u)) + j % 2u;
+//#else
+    return lq + j;
+//#endif
 }
 
 // Stores step s's values v (load_step) into buffer `buf`: the weights decoded (centred, split)
 // at row lr, octets OPI lo ..; the activations at token lt, vec4s lq ...
 fn store_step(v: Loads, s: u32, buf: u32, wr: u32, wload: bool, lr: u32, lo: u32, lt: u32, lq: u32, K: u32) {
-    let xb = buf * XS + lt * LDS + 4u * lq;
+    let xb = buf * XS + lt * LDS;
     let wb = buf * WS + lr * LDS + 8u * OPI * lo;
 //#if !ABL_NOW
     for (var h = 0u; h < OPI; h++) {
@@ -458,16 +495,17 @@ fn store_step(v: Loads, s: u32, buf: u32, wr: u32, wload: bool, lr: u32, lo: u32
 //#endif
 //#if !ABL_NOX
     for (var j = 0u; j < XPT; j++) {
+        let xc = xcol(lq, j);
 //#if VS
-        xs[xb / 4u + j] = v.xh[j];
+        xs[xb / 4u + xc] = v.xh[j];
 //#if HILO_X
-        xl[xb / 4u + j] = v.xl[j];
+        xl[xb / 4u + xc] = v.xl[j];
 //#endif
 //#else
         for (var e = 0u; e < 4u; e++) {
-            xs[xb + 4u * j + e] = v.xh[j][e];
+            xs[xb + 4u * xc + e] = v.xh[j][e];
 //#if HILO_X
-            xl[xb + 4u * j + e] = v.xl[j][e];
+            xl[xb + 4u * xc + e] = v.xl[j][e];
 //#endif
         }
 //#endif
@@ -496,7 +534,11 @@ fn main(
     let xrows = p.T;
     let ntt = (p.T + BT - 1u) / BT;
 //#endif
+//#if XW
+    let lo_off = t_pad(xrows) * kq / 2u;  // where x16's lo parts begin (16-byte words)
+//#else
     let lo_off = t_pad(xrows) * kq;  // where x16's lo parts begin
+//#endif
     let g = lid / 32u;      // group: a subgroup under COOP
     let l = lid % 32u;      // lane in the group
     let gt = 16u * MT * (g / 4u);  // the group's first token in the tile
@@ -537,7 +579,11 @@ fn main(
         let wbase = 0u;
         let gsc = w_global(0u);
 //#endif
+//#if XW
+        let xr = x_row(t0 + lt, tend) * kq / 2u + lq / XPT;  // the loader's first 16-byte word
+//#else
         let xr = x_row(t0 + lt, tend) * kq + lq;   // x16 index of the loader's first vec4 (step 0)
+//#endif
         let xload = t0 + lt < tend;                // its token is one of the tile's
         for (var rx = wid.x; rx < nrt; rx += nwg.x) {
             let r0 = rx * BN;
@@ -547,6 +593,12 @@ fn main(
 //#if PW && !DB
             // PW: the weights of the step after the next, issued a step before their activations
             var lw = load_w_any(sb + 1u, wr, wload && sb + 1u < se, lo, K);
+//#endif
+//#if PD
+            // PD: the weights of steps sb .. sb + SU - 1, slot by slot
+//#repeat SU d
+            var w$d = load_w_any(sb + $du, wr, wload && sb + $du < se, lo, K);
+//#endrepeat
 //#endif
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
@@ -580,65 +632,80 @@ fn main(
                 lv = load_step(sb + 1u, wr, wload, lo, K, xr, xload, lo_off);
             }
 //#endif
-            for (var s = sb; s < se; s++) {
+            // the steps, SU at a time (PD: step s's weights in slot s % SU; else SU = 1)
+            for (var s0 = sb; s0 < se; s0 += SU) {
+//#repeat SU d
+                if s0 + $du < se {
+                    let s = s0 + $du;
 //#if DB
-                // every group's products of step s - 1 (buffer (s + 1) % 2) are done, and the
-                // stores of step s (buffer s % 2) are seen
-                workgroupBarrier();
+                    // every group's products of step s - 1 (buffer (s + 1) % 2) are done, and the
+                    // stores of step s (buffer s % 2) are seen
+                    workgroupBarrier();
 //#if !ABL_NOSTAGE
-                // store step s + 1 (loaded during step s - 1), issue step s + 2's loads
-                if s + 1u < se {
-                    store_step(lv, s + 1u, (s + 1u) % 2u, wr, wload, lr, lo, lt, lq, K);
-                    if s + 2u < se {
-                        lv = load_step(s + 2u, wr, wload, lo, K, xr, xload, lo_off);
+                    // store step s + 1 (loaded during step s - 1), issue step s + 2's loads
+                    if s + 1u < se {
+                        store_step(lv, s + 1u, (s + 1u) % 2u, wr, wload, lr, lo, lt, lq, K);
+                        if s + 2u < se {
+                            lv = load_step(s + 2u, wr, wload, lo, K, xr, xload, lo_off);
+                        }
                     }
-                }
 //#endif
 //#else
-                // the previous step's (or tile's) reads of the buffers are done
-                workgroupBarrier();
+                    // the previous step's (or tile's) reads of the buffers are done
+                    workgroupBarrier();
 //#if !ABL_NOSTAGE
-                // store step s (loaded during step s - 1's products)
-                store_step(lv, s, 0u, wr, wload, lr, lo, lt, lq, K);
+//#if PD
+                    // PD: step s's weights from slot s % SU, issued SU steps before
+                    lv.w = w$d;
 //#endif
-                workgroupBarrier();
-                // issue step s + 1's loads, then multiply step s
+                    // store step s (loaded during step s - 1's products)
+                    store_step(lv, s, 0u, wr, wload, lr, lo, lt, lq, K);
+//#endif
+                    workgroupBarrier();
+                    // issue step s + 1's loads, then multiply step s
 //#if !ABL_NOSTAGE
-//#if PW
-                if s + 1u < se {
-                    lv = load_step_w(s + 1u, lw, xr, xload, lo_off);
-                }
-                if s + 2u < se {
-                    lw = load_w_any(s + 2u, wr, wload, lo, K);
-                }
+//#if PD
+                    if s + 1u < se {
+                        lv = load_step_w(s + 1u, lv.w, xr, xload, lo_off);
+                    }
+                    if s + SU < se {
+                        w$d = load_w_any(s + SU, wr, wload, lo, K);
+                    }
+//#elif PW
+                    if s + 1u < se {
+                        lv = load_step_w(s + 1u, lw, xr, xload, lo_off);
+                    }
+                    if s + 2u < se {
+                        lw = load_w_any(s + 2u, wr, wload, lo, K);
+                    }
 //#else
-                if s + 1u < se {
-                    lv = load_step(s + 1u, wr, wload, lo, K, xr, xload, lo_off);
-                }
+                    if s + 1u < se {
+                        lv = load_step(s + 1u, wr, wload, lo, K, xr, xload, lo_off);
+                    }
 //#endif
 //#endif
 //#endif
-                let buf = s % NB;  // the buffer step s's products read
+                    let buf = s % NB;  // the buffer step s's products read
 //#if COOP && M8
-                for (var kk = 0u; kk < BK; kk += 8u) {
-                    let ld = STRIDE;
-                    let ia = buf * XSB + (gt * LDS + kk) / (LDS / STRIDE);
-                    let ib = buf * WSB + (gn * LDS + kk) / (LDS / STRIDE);
+                    for (var kk = 0u; kk < BK; kk += 8u) {
+                        let ld = STRIDE;
+                        let ia = buf * XSB + (gt * LDS + kk) / (LDS / STRIDE);
+                        let ib = buf * WSB + (gn * LDS + kk) / (LDS / STRIDE);
 //#repeat MT a
 //#repeat 2 i
-                    let a$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xs[ia + (16u * $au + 8u * $iu) * ld], ld);
+                        let a$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xs[ia + (16u * $au + 8u * $iu) * ld], ld);
 //#endrepeat
 //#endrepeat
 //#repeat 2 b
 //#repeat 2 j
-                    let b$b$j = coopLoad<coop_mat8x8<f16, B>>(&ws[ib + (16u * $bu + 8u * $ju) * ld], ld);
+                        let b$b$j = coopLoad<coop_mat8x8<f16, B>>(&ws[ib + (16u * $bu + 8u * $ju) * ld], ld);
 //#endrepeat
 //#endrepeat
 //#repeat MT a
 //#repeat 2 b
 //#repeat 2 i
 //#repeat 2 j
-                    c$a$b$i$j = coopMultiplyAdd(a$a$i, b$b$j, c$a$b$i$j);
+                        c$a$b$i$j = coopMultiplyAdd(a$a$i, b$b$j, c$a$b$i$j);
 //#endrepeat
 //#endrepeat
 //#endrepeat
@@ -646,14 +713,14 @@ fn main(
 //#if HILO_W
 //#repeat 2 b
 //#repeat 2 j
-                    let bl$b$j = coopLoad<coop_mat8x8<f16, B>>(&wl[ib + (16u * $bu + 8u * $ju) * ld], ld);
+                        let bl$b$j = coopLoad<coop_mat8x8<f16, B>>(&wl[ib + (16u * $bu + 8u * $ju) * ld], ld);
 //#endrepeat
 //#endrepeat
 //#repeat MT a
 //#repeat 2 b
 //#repeat 2 i
 //#repeat 2 j
-                    c$a$b$i$j = coopMultiplyAdd(a$a$i, bl$b$j, c$a$b$i$j);
+                        c$a$b$i$j = coopMultiplyAdd(a$a$i, bl$b$j, c$a$b$i$j);
 //#endrepeat
 //#endrepeat
 //#endrepeat
@@ -662,82 +729,84 @@ fn main(
 //#if HILO_X
 //#repeat MT a
 //#repeat 2 i
-                    let al$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xl[ia + (16u * $au + 8u * $iu) * ld], ld);
+                        let al$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xl[ia + (16u * $au + 8u * $iu) * ld], ld);
 //#endrepeat
 //#endrepeat
 //#repeat MT a
 //#repeat 2 b
 //#repeat 2 i
 //#repeat 2 j
-                    c$a$b$i$j = coopMultiplyAdd(al$a$i, b$b$j, c$a$b$i$j);
+                        c$a$b$i$j = coopMultiplyAdd(al$a$i, b$b$j, c$a$b$i$j);
 //#endrepeat
 //#endrepeat
 //#endrepeat
 //#endrepeat
 //#endif
-                }
+                    }
 //#elif COOP
-                for (var kk = 0u; kk < BK / ABL_SPLIT; kk += 16u) {
-                    let ld = STRIDE;
-                    let ia = buf * XSB + (gt * LDS + kk) / (LDS / STRIDE);
-                    let ib = buf * WSB + (gn * LDS + kk) / (LDS / STRIDE);
+                    for (var kk = 0u; kk < BK / ABL_SPLIT; kk += 16u) {
+                        let ld = STRIDE;
+                        let ia = buf * XSB + (gt * LDS + kk) / (LDS / STRIDE);
+                        let ib = buf * WSB + (gn * LDS + kk) / (LDS / STRIDE);
 //#repeat MT a
-                    let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia + 16u * $au * ld], ld);
+                        let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia + 16u * $au * ld], ld);
 //#endrepeat
 //#repeat 2 b
-                    let b$b = coopLoad<coop_mat16x16<f16, B>>(&ws[ib + 16u * $bu * ld], ld);
+                        let b$b = coopLoad<coop_mat16x16<f16, B>>(&ws[ib + 16u * $bu * ld], ld);
 //#endrepeat
 //#repeat MT a
 //#repeat 2 b
-                    c$a$b = coopMultiplyAdd(a$a, b$b, c$a$b);
+                        c$a$b = coopMultiplyAdd(a$a, b$b, c$a$b);
 //#endrepeat
 //#endrepeat
 //#if HILO_W
 //#repeat 2 b
-                    let bl$b = coopLoad<coop_mat16x16<f16, B>>(&wl[ib + 16u * $bu * ld], ld);
+                        let bl$b = coopLoad<coop_mat16x16<f16, B>>(&wl[ib + 16u * $bu * ld], ld);
 //#endrepeat
 //#repeat MT a
 //#repeat 2 b
-                    c$a$b = coopMultiplyAdd(a$a, bl$b, c$a$b);
+                        c$a$b = coopMultiplyAdd(a$a, bl$b, c$a$b);
 //#endrepeat
 //#endrepeat
 //#endif
 //#if HILO_X
 //#repeat MT a
-                    let al$a = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia + 16u * $au * ld], ld);
+                        let al$a = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia + 16u * $au * ld], ld);
 //#endrepeat
 //#repeat MT a
 //#repeat 2 b
-                    c$a$b = coopMultiplyAdd(al$a, b$b, c$a$b);
+                        c$a$b = coopMultiplyAdd(al$a, b$b, c$a$b);
 //#endrepeat
 //#endrepeat
 //#endif
-                }
+                    }
 //#else
-                for (var k = 0u; k < BK; k++) {
-                    for (var a = 0u; a < MT; a++) {
-                        let ix = buf * XS + (gt + 16u * a + l / 2u) * LDS + k;
-                        let xa = xs_at(ix);
+                    for (var k = 0u; k < BK; k++) {
+                        for (var a = 0u; a < MT; a++) {
+                            let ix = buf * XS + (gt + 16u * a + l / 2u) * LDS + k;
+                            let xa = xs_at(ix);
 //#if HILO_X
-                        let xla = xl_at(ix);
+                            let xla = xl_at(ix);
 //#endif
-                        for (var b = 0u; b < 2u; b++) {
-                            let wb = buf * WS + (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
-                            for (var j = 0u; j < 8u; j++) {
-                                let q = 8u * (2u * a + b) + j;
-                                let wh = ws_at(wb + j * LDS);
-                                acc[q] = fma(xa, wh, acc[q]);
+                            for (var b = 0u; b < 2u; b++) {
+                                let wb = buf * WS + (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
+                                for (var j = 0u; j < 8u; j++) {
+                                    let q = 8u * (2u * a + b) + j;
+                                    let wh = ws_at(wb + j * LDS);
+                                    acc[q] = fma(xa, wh, acc[q]);
 //#if HILO_W
-                                acc[q] = fma(xa, wl_at(wb + j * LDS), acc[q]);
+                                    acc[q] = fma(xa, wl_at(wb + j * LDS), acc[q]);
 //#endif
 //#if HILO_X
-                                acc[q] = fma(xla, wh, acc[q]);
+                                    acc[q] = fma(xla, wh, acc[q]);
 //#endif
+                                }
                             }
                         }
                     }
-                }
 //#endif
+                }
+//#endrepeat
             }
             // epilogue
 //#if SPLIT

@@ -235,7 +235,7 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
         KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => format!(
-            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}{}]",
+            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}{}{}{}]",
             if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
@@ -258,8 +258,10 @@ fn name(spec: &KernelSpec) -> Option<String> {
             if *bk == 64 { " k64" } else { "" },
             if *db { " db" } else { "" },
             if *split { " split" } else { "" },
-            if prefetch_weights() && !*db { " pw" } else { "" },
-            if wide_weight_loads(*fmt) { " wv" } else { "" }
+            if prefetch_weights() && prefetch_depth() == 1 && !*db { " pw".to_string() } else { String::new() },
+            if prefetch_depth() > 1 && !*db { format!(" pd{}", prefetch_depth()) } else { String::new() },
+            if wide_weight_loads(*fmt) { " wv" } else { "" },
+            if wide_x_loads() && (*bk as u32 * *mt as u32) % 64 == 0 { " xw" } else { "" }
         ),
         KernelSpec::RowScale { xvec, lo, aug } => format!(
             "row_scale[{}{}{}]",
@@ -277,7 +279,9 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, F16_SPLIT, GEMM_COOP])
                 .flag("GROUPED", grouped)
                 .flag("SPLIT", split && !grouped)
-                .flag("PW", prefetch_weights())
+                .flag("PW", prefetch_weights() && prefetch_depth() == 1)
+                .flag("PD", prefetch_depth() > 1 && !db)
+                .c("SU", if db { 1 } else { prefetch_depth() })
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
@@ -296,7 +300,9 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
                 .flag("ABL_NOWLOAD", ablate("nowload"))
                 .c("ABL_SPLIT", if ablate("half") { 2 } else { 1 });
             let wv = wide_weight_loads(fmt);
-            weight_source(s, fmt, false, false, false).flag("WV", wv).flag("W_VEC4", wv)
+            // 16-byte activation loads where a loader takes an even number of vec4s
+            let xw = wide_x_loads() && (bk as u32 * mt as u32) % 64 == 0;
+            weight_source(s, fmt, false, false, false).flag("WV", wv).flag("W_VEC4", wv).flag("XW", xw)
         }
         KernelSpec::RowScale { xvec, lo, aug } => {
             Source::new(&[GEMM_COMMON, F16_SPLIT, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo).flag("AUG", aug > 0).c("GS", aug.max(1))
@@ -312,12 +318,27 @@ pub fn prefetch_weights() -> bool {
     std::env::var("MARKBASE_COOP_PW").is_ok_and(|v| v == "1")
 }
 
+/// Steps ahead the single-buffered GEMM loads each step's weights (`PD` in `gemm_coop.wgsl`,
+/// its step loop unrolled as many times): `MARKBASE_COOP_PD` (2 to 8), else 1 (one step ahead,
+/// with the activations). Read when a kernel is built (and named).
+pub fn prefetch_depth() -> u32 {
+    std::env::var("MARKBASE_COOP_PD").ok().and_then(|v| v.parse::<u32>().ok()).map_or(1, |d| d.clamp(1, 8))
+}
+
 /// Whether the GEMM loads a step's 4-bit affine weights (groups of 32 or more) a 16-byte word at
 /// a time (`WV` in `gemm_coop.wgsl`: rows of K % 32 == 0; one load of codes and one of scale
 /// words per loader and step, where the generic decoder makes one of each per octet): with
 /// `MARKBASE_COOP_WV=1`. Read when a kernel is built (and named).
 pub fn wide_weight_loads(fmt: GpuFormat) -> bool {
     matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && std::env::var("MARKBASE_COOP_WV").is_ok_and(|v| v == "1")
+}
+
+/// Whether the GEMM loads its f16 activations 16 bytes at a time, a loader's words interleaved
+/// with its token's other loaders' (`XW` in `gemm_coop.wgsl`, where each loader takes an even
+/// number of vec4<f16>: tiles of 64 or 128 tokens, or steps of 64), so that a subgroup's load
+/// reads whole 32-byte sectors: with `MARKBASE_COOP_XW=1`. Read when a kernel is built.
+pub fn wide_x_loads() -> bool {
+    std::env::var("MARKBASE_COOP_XW").is_ok_and(|v| v == "1")
 }
 
 /// Whether `MARKBASE_COOP_ABLATE` (comma-separated) names the ablation `what` of
