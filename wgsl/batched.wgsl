@@ -7,8 +7,9 @@
 // element. Bindings: 0 params, 1 x, 2 pos, 3 slot, 4 cache.
 //
 // ATTENTION: one workgroup per (query head, row); query t attends to the positions
-// max(0, pos[t] + 1 - window) ..= hi of its sequence slot, in blocks of WG keys with an
-// online softmax: hi = pos[t], or max(pos[t], pos[T + t]) with attention bounds (spans: an
+// max(0, pos[t] + 1 - window) ..= hi of its sequence slot, in blocks of WG / L keys with an
+// online softmax (a key's score by L invocations, each over every L-th dim, so that a key's
+// row is read in whole sectors; the block's maximum and sum by every invocation in key order): hi = pos[t], or max(pos[t], pos[T + t]) with attention bounds (spans: an
 // image span's tokens see the whole span). Idle rows get zeros. Bindings: 0 params, 1 q,
 // 2 pos, 3 slot, 4 k, 5 v, 6 out.
 //
@@ -65,26 +66,17 @@ fn main(
 @group(0) @binding(5) var<storage, read> vc: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 
-var<workgroup> qs: array<f32, WG * MAXD>;
-var<workgroup> pr: array<f32, WG>;
-var<workgroup> red: array<f32, WG>;
-var<workgroup> wu: array<u32, 2>;
+// invocations per key (its scores' dims split among them: each reads L consecutive floats of
+// the key's row per step, a whole 32-byte sector), keys per block
+const L: u32 = 8u;
+const KB: u32 = WG / L;
 
-// The sum (or maximum) of `red` over the workgroup.
-fn reduce(lid: u32, v: f32, is_max: bool) -> f32 {
-    red[lid] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w = w / 2u) {
-        if lid < w {
-            let o = red[lid + w];
-            red[lid] = select(red[lid] + o, max(red[lid], o), is_max);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
+var<workgroup> qs: array<f32, WG * MAXD>;
+// per invocation, its share of its key's score; per key of the block, its score, then weight
+var<workgroup> part: array<f32, WG>;
+var<workgroup> sc: array<f32, KB>;
+var<workgroup> pe: array<f32, KB>;
+var<workgroup> wu: array<u32, 2>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -126,39 +118,58 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     for (var i = 0u; i < MAXD; i++) {
         acc[i] = 0.0;
     }
-    for (var base = lo; base <= last; base += WG) {
-        let j = base + lid;
-        var sc = neg;
-        if j <= last {
+    // the invocation's key in a block, and its share of the key's dims: pl, pl + L, ..
+    let kk = lid / L;
+    let pl = lid % L;
+    for (var base = lo; base <= last; base += KB) {
+        let cnt = min(KB, last + 1u - base);
+        let j = base + kk;
+        var dot = 0.0;
+        if kk < cnt {
             let kb = ((s * p.S + j % p.S) * p.nkv + kh) * D;
-            var dot = 0.0;
-            for (var d = 0u; d < D; d++) {
-                dot += qs[d] * kc[kb + d];
+            for (var d = pl; d < D; d += L) {
+                dot = fma(qs[d], kc[kb + d], dot);
             }
-            sc = dot * p.scale;
         }
-        let bm = reduce(lid, sc, true);
+        part[lid] = dot;
+        workgroupBarrier();
+        // each key's score: its L shares added in order
+        if pl == 0u && kk < cnt {
+            var a = 0.0;
+            for (var i = 0u; i < L; i++) {
+                a += part[kk * L + i];
+            }
+            sc[kk] = a * p.scale;
+        }
+        workgroupBarrier();
+        // the block's maximum (every invocation, in the same order), the keys' weights
+        var bm = neg;
+        for (var jj = 0u; jj < cnt; jj++) {
+            bm = max(bm, sc[jj]);
+        }
         let nm = max(m, bm);
         let corr = select(exp(m - nm), 0.0, m == neg);
-        var e = 0.0;
-        if j <= last {
-            e = exp(sc - nm);
+        if lid < cnt {
+            pe[lid] = exp(sc[lid] - nm);
         }
-        pr[lid] = e;
-        let bs = reduce(lid, e, false);
+        workgroupBarrier();
+        var bs = 0.0;
+        for (var jj = 0u; jj < cnt; jj++) {
+            bs += pe[jj];
+        }
         l = l * corr + bs;
-        let cnt = min(WG, last + 1u - base);
         for (var i = 0u; i < MAXD; i++) {
             let d = lid + i * WG;
             if d < D {
                 var a = acc[i] * corr;
                 for (var jj = 0u; jj < cnt; jj++) {
-                    a += pr[jj] * vc[((s * p.S + (base + jj) % p.S) * p.nkv + kh) * D + d];
+                    a += pe[jj] * vc[((s * p.S + (base + jj) % p.S) * p.nkv + kh) * D + d];
                 }
                 acc[i] = a;
             }
         }
         m = nm;
+        // the block's shares, scores and weights are read before the next block writes them
         workgroupBarrier();
     }
     for (var i = 0u; i < MAXD; i++) {

@@ -11,10 +11,10 @@ use super::{Family, LowerCtx};
 
 const BATCHED: &str = include_str!("../../../wgsl/batched.wgsl");
 
-/// Invocations of an attention workgroup (keys per block, and head dims per step).
-const ATTN_WG: u32 = 128;
+/// Invocations of an attention workgroup (eight per key of a block; head dims per step).
+const ATTN_WG: u32 = 256;
 /// Head dims per invocation: the attention takes heads of up to `ATTN_WG * MAXD` dims.
-const MAXD: u32 = 4;
+const MAXD: u32 = 2;
 
 pub(crate) const FAMILY: Family = Family { name, source, variants };
 
