@@ -3,7 +3,8 @@
 #  - installs Mesa lavapipe (software Vulkan) when no Vulkan driver is present,
 #  - fetches and converts the real Gemma 3 270M model once (cached in models/),
 #  - installs the pinned `openai` Python client (the server's tests use it),
-#  - runs every test of the workspace in release mode.
+#  - runs every test of the workspace in release mode (and, without arguments, the batch GEMM's
+#    cases again with the f16 GEMM's staging options on).
 # GPU tests fail (never skip) when no adapter can be found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +24,9 @@ fi
 tools/setup-real-model.sh
 wait "$build" || echo "the early build failed (target/test-build.log); building again below"
 cargo test --release --workspace "$@"
+# the f16 GEMM's staging options, off by default (`MARKBASE_COOP_WV`, `_XW`, `_PD`,
+# `MARKBASE_ROW_MT`: src/gpu/ops/gemm_f16.rs, matmul.rs), through the batch GEMM's cases
+if [ $# -eq 0 ]; then
+  MARKBASE_COOP_WV=1 MARKBASE_COOP_XW=1 MARKBASE_COOP_PD=3 cargo test --release --test row_gemm
+  MARKBASE_ROW_MT=1 MARKBASE_COOP_PD=2 cargo test --release --test row_gemm
+fi
