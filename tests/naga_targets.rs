@@ -10,7 +10,8 @@ use markbase::gpu::kernels::KernelSpec;
 /// f16 and cooperative matrices are always allowed: the kernels that use them run only where
 /// the device has them (see `gemm_f16`).
 fn capabilities(subgroups: bool) -> naga::valid::Capabilities {
-    let mut c = naga::valid::Capabilities::SHADER_FLOAT16 | naga::valid::Capabilities::COOPERATIVE_MATRIX;
+    // (f16 in f32: `unpack2x16float`, part of every WebGPU-compliant adapter's downlevel flags)
+    let mut c = naga::valid::Capabilities::SHADER_FLOAT16 | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32 | naga::valid::Capabilities::COOPERATIVE_MATRIX;
     if subgroups {
         c |= naga::valid::Capabilities::SUBGROUP | naga::valid::Capabilities::SUBGROUP_BARRIER;
     }

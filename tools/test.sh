@@ -28,5 +28,8 @@ cargo test --release --workspace "$@"
 # `MARKBASE_ROW_MT`: src/gpu/ops/gemm_f16.rs, matmul.rs), through the batch GEMM's cases
 if [ $# -eq 0 ]; then
   MARKBASE_COOP_WV=1 MARKBASE_COOP_XW=1 MARKBASE_COOP_PD=3 cargo test --release --test row_gemm
+  # (and their cooperative-matrix variants through naga's validation, which checks the
+  # uniformity the products need: the twin above has no products)
+  MARKBASE_COOP_WV=1 MARKBASE_COOP_XW=1 MARKBASE_COOP_PD=4 cargo test --release --test naga_targets
   MARKBASE_ROW_MT=1 MARKBASE_COOP_PD=2 cargo test --release --test row_gemm
 fi

@@ -635,8 +635,13 @@ fn main(
             // the steps, SU at a time (PD: step s's weights in slot s % SU; else SU = 1)
             for (var s0 = sb; s0 < se; s0 += SU) {
 //#repeat SU d
-                if s0 + $du < se {
+                {
+                    // (a break, as the loop's own condition, keeps the products in uniform
+                    // control flow)
                     let s = s0 + $du;
+                    if s >= se {
+                        break;
+                    }
 //#if DB
                     // every group's products of step s - 1 (buffer (s + 1) % 2) are done, and the
                     // stores of step s (buffer s % 2) are seen
