@@ -181,13 +181,15 @@ fn slice_bytes(t: &RawTensor, row_bytes: usize, r0: usize, r1: usize) -> &[u8] {
 }
 
 /// `bytes` zero-padded to a multiple of 16, so that kernels may bind the words as vec4<u32>
-/// (a binding's array holds whole elements only).
-fn pad16(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    if bytes.len() % 16 == 0 && !bytes.is_empty() {
+/// (a binding's array holds whole elements only), where that stays within `limit` (a chunk's
+/// bytes; rows of 4-bit codes with K % 32 == 0, the only ones read that way, need no padding).
+fn pad16(bytes: &[u8], limit: u64) -> std::borrow::Cow<'_, [u8]> {
+    let padded = bytes.len().div_ceil(16).max(1) * 16;
+    if bytes.len() == padded || padded as u64 > limit {
         return std::borrow::Cow::Borrowed(bytes);
     }
     let mut v = bytes.to_vec();
-    v.resize(bytes.len().div_ceil(16).max(1) * 16, 0);
+    v.resize(padded, 0);
     std::borrow::Cow::Owned(v)
 }
 
@@ -246,7 +248,7 @@ pub fn upload_weight(gpu: &Gpu, w: &WeightData, max_chunk_bytes: Option<u64>) ->
     while r0 < rows {
         let r1 = (r0 + chunk_rows).min(rows);
         let label = format!("weight {name} chunk {} (rows {r0}..{r1})", chunks.len());
-        let wbuf = gpu.try_upload(&label, &pad16(slice_bytes(&w.weight, wb, r0, r1)))?;
+        let wbuf = gpu.try_upload(&label, &pad16(slice_bytes(&w.weight, wb, r0, r1), gpu.max_binding_bytes()))?;
         let scales = match format {
             GpuFormat::Affine { scale, .. } => {
                 let s = slice_bytes(w.scales.as_ref().unwrap(), sb, r0, r1);
