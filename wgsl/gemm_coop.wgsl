@@ -19,12 +19,9 @@
 // twice the vec4s), so that twice the products run between the barriers and the loads in flight
 // during them cover 64 columns.
 //
-// PW (without DB): each step's weights are loaded two steps ahead (before the products of the
-// step before theirs), its activations one step ahead: twice the weight bytes in flight, for a
-// few more registers.
-//
-// PD (without DB and PW): each step's weights are loaded SU steps ahead, into slot s % SU of SU
-// sets of registers; the step loop is unrolled SU times so that every slot is a variable of its
+// PD (without DB): each step's weights are loaded SU steps ahead (its activations one step
+// ahead), into slot s % SU of SU sets of registers: SU times the weight bytes in flight, for a
+// few more registers. The step loop is unrolled SU times so that every slot is a variable of its
 // own (no copies between slots, which would wait for their loads).
 //
 // DB: two copies of each staging buffer, one barrier per step. Step s multiplies buffer s % 2;
@@ -385,7 +382,7 @@ fn load_w_any(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI>
     return load_w(s, wr, wload, lo, K);
 }
 
-// Step s's loads with its weights `w` (issued earlier with PW): issues the vec4s of x16 from xr
+// Step s's loads with its weights `w` (issued earlier with PD): issues the vec4s of x16 from xr
 // (the loader's first of step 0; lo parts from lo_off on); zeros where !xload (a token past the
 // tile's end: a batch's decode step fills few of its tile's 64).
 fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, xload: bool, lo_off: u32) -> Loads {
@@ -590,10 +587,6 @@ fn main(
             let wr = wbase + r0 + lr;
             let wload = r0 + lr < p.rows;
             var lv = load_step(sb, wr, wload, lo, K, xr, xload, lo_off);
-//#if PW && !DB
-            // PW: the weights of the step after the next, issued a step before their activations
-            var lw = load_w_any(sb + 1u, wr, wload && sb + 1u < se, lo, K);
-//#endif
 //#if PD
             // PD: the weights of steps sb .. sb + SU - 1, slot by slot
 //#repeat SU d
@@ -675,13 +668,6 @@ fn main(
                     }
                     if s + SU < se {
                         w$d = load_w_any(s + SU, wr, wload, lo, K);
-                    }
-//#elif PW
-                    if s + 1u < se {
-                        lv = load_step_w(s + 1u, lw, xr, xload, lo_off);
-                    }
-                    if s + 2u < se {
-                        lw = load_w_any(s + 2u, wr, wload, lo, K);
                     }
 //#else
                     if s + 1u < se {

@@ -235,7 +235,7 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
         KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => format!(
-            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}{}{}{}]",
+            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}]",
             if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
@@ -258,10 +258,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
             if *bk == 64 { " k64" } else { "" },
             if *db { " db" } else { "" },
             if *split { " split" } else { "" },
-            if prefetch_weights() && prefetch_depth() == 1 && !*db { " pw".to_string() } else { String::new() },
-            if prefetch_depth() > 1 && !*db { format!(" pd{}", prefetch_depth()) } else { String::new() },
-            if wide_weight_loads(*fmt) { " wv" } else { "" },
-            if wide_x_loads() && (*bk as u32 * *mt as u32) % 64 == 0 { " xw" } else { "" }
+            LoadOptions::of(*fmt, *mt, *bk, *db).suffix()
         ),
         KernelSpec::RowScale { xvec, lo, aug } => format!(
             "row_scale[{}{}{}]",
@@ -279,9 +276,6 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, F16_SPLIT, GEMM_COOP])
                 .flag("GROUPED", grouped)
                 .flag("SPLIT", split && !grouped)
-                .flag("PW", prefetch_weights() && prefetch_depth() == 1)
-                .flag("PD", prefetch_depth() > 1 && !db)
-                .c("SU", if db { 1 } else { prefetch_depth() })
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
@@ -299,10 +293,13 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
                 .flag("ABL_NOX", ablate("nox"))
                 .flag("ABL_NOWLOAD", ablate("nowload"))
                 .c("ABL_SPLIT", if ablate("half") { 2 } else { 1 });
-            let wv = wide_weight_loads(fmt);
-            // 16-byte activation loads where a loader takes an even number of vec4s
-            let xw = wide_x_loads() && (bk as u32 * mt as u32) % 64 == 0;
-            weight_source(s, fmt, false, false, false).flag("WV", wv).flag("W_VEC4", wv).flag("XW", xw)
+            let o = LoadOptions::of(fmt, mt, bk, db);
+            weight_source(s, fmt, false, false, false)
+                .flag("PD", o.depth > 1)
+                .c("SU", o.depth)
+                .flag("WV", o.wv)
+                .flag("W_VEC4", o.wv)
+                .flag("XW", o.xw)
         }
         KernelSpec::RowScale { xvec, lo, aug } => {
             Source::new(&[GEMM_COMMON, F16_SPLIT, ROW_SCALE]).flag("XVEC", xvec).flag("HILO_X", lo).flag("AUG", aug > 0).c("GS", aug.max(1))
@@ -311,34 +308,48 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     })
 }
 
-/// Whether the single-buffered GEMM loads each step's weights two steps ahead (`PW` in
-/// `gemm_coop.wgsl`; `MARKBASE_COOP_PW=1`), not yet measured against one step ahead on a GPU
-/// with tensor cores. Read when a kernel is built (and named).
-pub fn prefetch_weights() -> bool {
-    std::env::var("MARKBASE_COOP_PW").is_ok_and(|v| v == "1")
+/// The f16 GEMM's load options for `fmt` with tiles of `mt` and steps of `bk` (`db`: double
+/// buffers), from the environment when a kernel is built (and named); off by default, not yet
+/// timed on a GPU with tensor cores.
+struct LoadOptions {
+    /// Steps ahead each step's weights are loaded (`PD` in `gemm_coop.wgsl`, its step loop
+    /// unrolled as many times; single buffers only): `MARKBASE_COOP_PD` (2 to 8), 2 with
+    /// `MARKBASE_COOP_PW=1`, else 1 (one step ahead, with the activations).
+    depth: u32,
+    /// 4-bit affine weights (groups of 32 or more) a 16-byte word at a time (`WV`: rows of
+    /// K % 32 == 0; one load of codes and one of scale words per loader and step, where the
+    /// generic decoder makes one of each per octet): `MARKBASE_COOP_WV=1`.
+    wv: bool,
+    /// The f16 activations 16 bytes at a time, a loader's words interleaved with its token's
+    /// other loaders' (`XW`, where each loader takes an even number of vec4<f16>: tiles of 64 or
+    /// 128 tokens, or steps of 64), so that a subgroup's load reads whole 32-byte sectors:
+    /// `MARKBASE_COOP_XW=1`.
+    xw: bool,
 }
 
-/// Steps ahead the single-buffered GEMM loads each step's weights (`PD` in `gemm_coop.wgsl`,
-/// its step loop unrolled as many times): `MARKBASE_COOP_PD` (2 to 8), else 1 (one step ahead,
-/// with the activations). Read when a kernel is built (and named).
-pub fn prefetch_depth() -> u32 {
-    std::env::var("MARKBASE_COOP_PD").ok().and_then(|v| v.parse::<u32>().ok()).map_or(1, |d| d.clamp(1, 8))
-}
+impl LoadOptions {
+    fn of(fmt: GpuFormat, mt: u8, bk: u8, db: bool) -> LoadOptions {
+        let on = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+        let depth = match std::env::var("MARKBASE_COOP_PD").ok().and_then(|v| v.parse::<u32>().ok()) {
+            _ if db => 1,
+            Some(d) => d.clamp(1, 8),
+            None if on("MARKBASE_COOP_PW") => 2,
+            None => 1,
+        };
+        LoadOptions {
+            depth,
+            wv: matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && on("MARKBASE_COOP_WV"),
+            xw: on("MARKBASE_COOP_XW") && (bk as u32 * mt as u32) % 64 == 0,
+        }
+    }
 
-/// Whether the GEMM loads a step's 4-bit affine weights (groups of 32 or more) a 16-byte word at
-/// a time (`WV` in `gemm_coop.wgsl`: rows of K % 32 == 0; one load of codes and one of scale
-/// words per loader and step, where the generic decoder makes one of each per octet): with
-/// `MARKBASE_COOP_WV=1`. Read when a kernel is built (and named).
-pub fn wide_weight_loads(fmt: GpuFormat) -> bool {
-    matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && std::env::var("MARKBASE_COOP_WV").is_ok_and(|v| v == "1")
-}
-
-/// Whether the GEMM loads its f16 activations 16 bytes at a time, a loader's words interleaved
-/// with its token's other loaders' (`XW` in `gemm_coop.wgsl`, where each loader takes an even
-/// number of vec4<f16>: tiles of 64 or 128 tokens, or steps of 64), so that a subgroup's load
-/// reads whole 32-byte sectors: with `MARKBASE_COOP_XW=1`. Read when a kernel is built.
-pub fn wide_x_loads() -> bool {
-    std::env::var("MARKBASE_COOP_XW").is_ok_and(|v| v == "1")
+    /// The kernel name's part: ` pdN`, ` wv`, ` xw`.
+    fn suffix(&self) -> String {
+        let mut n = if self.depth > 1 { format!(" pd{}", self.depth) } else { String::new() };
+        n += if self.wv { " wv" } else { "" };
+        n += if self.xw { " xw" } else { "" };
+        n
+    }
 }
 
 /// Whether `MARKBASE_COOP_ABLATE` (comma-separated) names the ablation `what` of
@@ -411,9 +422,15 @@ pub fn ksplit(tiles: usize, steps: usize) -> usize {
 /// of `k` columns and `t` tokens, were it split; 1 for other kernels.
 pub fn ksplit_for(spec: &KernelSpec, rows: usize, k: usize, t: usize) -> usize {
     match *spec {
-        KernelSpec::GemmF16 { mt, bk, .. } => ksplit(div_ceil(rows, TILE_N) * div_ceil(t, 32 * mt as usize), k_aug(spec, k).div_ceil(bk as usize)),
+        KernelSpec::GemmF16 { mt, bk, .. } => ksplit(tiles(rows, t, mt), k_aug(spec, k).div_ceil(bk as usize)),
         _ => 1,
     }
+}
+
+/// Tiles of the (ungrouped) f16 GEMM over `rows` rows and `t` tokens with `mt`: [`TILE_N`] rows
+/// by 32 `mt` tokens.
+pub fn tiles(rows: usize, t: usize, mt: u8) -> usize {
+    div_ceil(rows, TILE_N) * div_ceil(t, 32 * mt as usize)
 }
 
 /// Whether prefill's f16 GEMM over `rows` x `k` and `t` tokens cuts K ([`ksplit`]): with

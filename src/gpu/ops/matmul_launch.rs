@@ -197,7 +197,7 @@ impl MatMulKernel {
     /// Bytes of the split GEMM's partial sums and of its counters for dispatch `d`.
     pub fn split_scratch_bytes(&self, d: &MatMulDims) -> (u64, u64) {
         let (tiles, tile) = match self.spec {
-            KernelSpec::GemmF16 { mt, .. } => ((div_ceil(d.rows, gemm_f16::TILE_N) * div_ceil(d.t, 32 * mt as usize)) as u64, 32 * mt as u64 * gemm_f16::TILE_N as u64),
+            KernelSpec::GemmF16 { mt, .. } => (gemm_f16::tiles(d.rows, d.t, mt) as u64, 32 * mt as u64 * gemm_f16::TILE_N as u64),
             _ => (gemm_tiles(d.rows, d.t, false) as u64, 64 * 64),
         };
         (tiles * self.ksplit(d) as u64 * tile * 4, tiles * 4)
