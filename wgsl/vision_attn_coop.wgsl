@@ -284,7 +284,8 @@ fn rescale_slot(g: u32, l: u32, slot: u32) {
     }
 }
 
-// DUMP_S (a diagnostic, for heads of at least KT dims): see the scores' section.
+// DUMP_S (a diagnostic, for heads of at least KT dims): see the scores' section; DUMP_G (with
+// COOP_QK): the products' scores stored into the output rows directly.
 //
 // SGB (a diagnostic, with COOP): a subgroup barrier before each run of cooperative-matrix
 // operations, so that a subgroup's invocations enter them together after divergent code.
@@ -441,9 +442,21 @@ fn main(
             }
 //#endrepeat
 //#endrepeat
+//#if DUMP_G
+            // a diagnostic: the scores straight into the output rows (whole query tiles only;
+            // the indices bound first: naga 30's SPIR-V writer needs them emitted)
+            let gs = p.heads * p.d;
+            let gb = ((t0 + 16u * g) * p.heads + h) * p.d;
+//#repeat KB b
+            let gi$b = gb + 16u * $bu;
+            coopStoreT(sc$b, &out[gi$b], gs);
+//#endrepeat
+            return;
+//#else
 //#repeat KB b
             coopStoreT(sc$b, &ss[16u * g * LDS + 16u * $bu], LDS);
 //#endrepeat
+//#endif
 //#else
             for (var b = 0u; b < KB; b++) {
                 for (var j = 0u; j < 8u; j++) {

@@ -68,7 +68,15 @@ pub fn converge() -> bool {
 /// 16) columns of each query's output row and stops there (`tests/vision_attn_coop.rs` checks
 /// them). Read when a kernel is built (and named).
 pub fn dump_scores() -> bool {
-    std::env::var("MARKBASE_VISION_ATTN_DUMP").is_ok_and(|v| v == "scores")
+    std::env::var("MARKBASE_VISION_ATTN_DUMP").is_ok_and(|v| v == "scores" || v == "global")
+}
+
+/// With [`dump_scores`], `MARKBASE_VISION_ATTN_DUMP=global`: the cooperative-matrix products'
+/// scores are stored straight into the output (row stride heads x D) instead of through the
+/// workgroup's score rows, so that a dump tells a wrong store into workgroup memory from wrong
+/// products (the twin's scores still go through workgroup memory; query tiles must be whole).
+pub fn dump_global() -> bool {
+    std::env::var("MARKBASE_VISION_ATTN_DUMP").is_ok_and(|v| v == "global")
 }
 
 /// Whether V is staged transposed (`[d][key]`, loaded column-major by the P V product, as the
@@ -156,7 +164,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
     let KernelSpec::VisionAttnF16 { coop, mask, d16, kt, hilo_p, hilo_v, v4, pf } = *spec else { return None };
     let (qk, pv) = coop_products();
     Some(format!(
-        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}{}{}]",
+        "full_attention_f16[{} d{} k{}{}{}{}{}{}{}{}{}{}]",
         match (coop, qk, pv) {
             (false, ..) => "fma",
             (true, true, true) => "coop",
@@ -172,7 +180,8 @@ fn name(spec: &KernelSpec) -> Option<String> {
         if pf { " pf" } else { "" },
         if v_transposed() { " vt" } else { "" },
         if coop && converge() { " sgb" } else { "" },
-        if dump_scores() { " dump_s" } else { "" }
+        if dump_scores() { " dump_s" } else { "" },
+        if coop && qk && dump_global() { " dump_g" } else { "" }
     ))
 }
 
@@ -197,7 +206,8 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             .flag("PF", pf)
             .flag("VT", v_transposed())
             .flag("SGB", coop && converge())
-            .flag("DUMP_S", dump_scores()),
+            .flag("DUMP_S", dump_scores())
+            .flag("DUMP_G", coop && qk && dump_global()),
     )
 }
 
