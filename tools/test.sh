@@ -24,12 +24,15 @@ fi
 tools/setup-real-model.sh
 wait "$build" || echo "the early build failed (target/test-build.log); building again below"
 cargo test --release --workspace "$@"
-# the f16 GEMM's staging options, off by default (`MARKBASE_COOP_WV`, `_XW`, `_PD`,
-# `MARKBASE_ROW_MT`: src/gpu/ops/gemm_f16.rs, matmul.rs), through the batch GEMM's cases
+# the f16 GEMM's staging options (`MARKBASE_COOP_WV`, `_XW`, `_PD`, on by default; and
+# `MARKBASE_ROW_MT`: src/gpu/ops/gemm_f16.rs, matmul.rs) turned off, through the batch GEMM's cases
 if [ $# -eq 0 ]; then
-  MARKBASE_COOP_WV=1 MARKBASE_COOP_XW=1 MARKBASE_COOP_PD=3 cargo test --release --test row_gemm
+  MARKBASE_COOP_WV=0 MARKBASE_COOP_XW=0 MARKBASE_COOP_PD=1 cargo test --release --test row_gemm
   # (and their cooperative-matrix variants through naga's validation, which checks the
   # uniformity the products need: the twin above has no products)
-  MARKBASE_COOP_WV=1 MARKBASE_COOP_XW=1 MARKBASE_COOP_PD=4 cargo test --release --test naga_targets
-  MARKBASE_ROW_MT=1 MARKBASE_COOP_PD=2 cargo test --release --test row_gemm
+  MARKBASE_COOP_WV=0 MARKBASE_COOP_XW=0 MARKBASE_COOP_PD=2 cargo test --release --test naga_targets
+  MARKBASE_ROW_MT=1 cargo test --release --test row_gemm
+  # the activations loaded as far ahead as the weights (off by default)
+  MARKBASE_COOP_PX=1 MARKBASE_COOP_PD=3 cargo test --release --test row_gemm
+  MARKBASE_COOP_PX=1 cargo test --release --test naga_targets
 fi

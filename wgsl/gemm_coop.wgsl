@@ -20,7 +20,7 @@
 // during them cover 64 columns.
 //
 // PD (without DB): each step's weights are loaded SU steps ahead (its activations one step
-// ahead), into slot s % SU of SU sets of registers: SU times the weight bytes in flight, for a
+// ahead; with PX SU steps ahead as well), into slot s % SU of SU sets of registers: SU times the weight bytes in flight, for a
 // few more registers. The step loop is unrolled SU times so that every slot is a variable of its
 // own (no copies between slots, which would wait for their loads).
 //
@@ -47,7 +47,7 @@
 // Ablations, for timing the parts (`MARKBASE_COOP_ABLATE`; wrong results): ABL_NOSTAGE leaves the
 // staging out (no loads, no stores: the products run on what the buffers hold), ABL_NOW the
 // weights' staging, ABL_NOX the activations', ABL_NOWLOAD the weights' loads (made-up words,
-// decoded and stored); ABL_SPLIT = 2 runs the 16 x 16 products of half of each step.
+// decoded and stored), ABL_NOXLOAD the activations' loads (zeros staged); ABL_SPLIT = 2 runs the 16 x 16 products of half of each step.
 //
 // GROUPED (Op::GroupedMatMul, as gemm.wgsl's GROUPED): the tokens are the P = T S (token,
 // expert) pairs, grouped by expert in `grp` (binding 3, Op::MoeGroup's value). The grid has a
@@ -393,7 +393,7 @@ fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, xload: bool, lo_off: u32) -
 //#if HILO_X
         v.xl[j] = vec4<f16>(0.0);
 //#endif
-//#if !ABL_NOX && !XW
+//#if !ABL_NOX && !ABL_NOXLOAD && !XW
         if xload {
             v.xh[j] = x16[xr + (BK / 4u) * s + j];
 //#if HILO_X
@@ -402,7 +402,7 @@ fn load_step_w(s: u32, w: array<ROct, OPI>, xr: u32, xload: bool, lo_off: u32) -
         }
 //#endif
     }
-//#if !ABL_NOX && XW
+//#if !ABL_NOX && !ABL_NOXLOAD && XW
     // XW: 16-byte words (xr, lo_off in those): the loader's chunks i of its token's step are
     // h + TPR i (xcol)
     if xload {
@@ -517,7 +517,7 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let K = p.K;
-//#if ABL_NOW || ABL_NOX || ABL_NOWLOAD
+//#if ABL_NOW || ABL_NOX || ABL_NOWLOAD || ABL_NOXLOAD
     // the ablations leave bindings unread: keep them in the kernel
     if K == 0xffffffffu {
         y[0] = f32(wword(0u)) + f32(x16[0].x);
@@ -586,12 +586,19 @@ fn main(
             let r0 = rx * BN;
             let wr = wbase + r0 + lr;
             let wload = r0 + lr < p.rows;
+//#if PX
+            // PX: steps sb .. sb + SU - 1, weights and activations, slot by slot
+//#repeat SU d
+            var l$d = load_step(sb + $du, wr, wload && sb + $du < se, lo, K, xr, xload && sb + $du < se, lo_off);
+//#endrepeat
+//#else
             var lv = load_step(sb, wr, wload, lo, K, xr, xload, lo_off);
 //#if PD
             // PD: the weights of steps sb .. sb + SU - 1, slot by slot
 //#repeat SU d
             var w$d = load_w_any(sb + $du, wr, wload && sb + $du < se, lo, K);
 //#endrepeat
+//#endif
 //#endif
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
@@ -652,6 +659,10 @@ fn main(
                     // the previous step's (or tile's) reads of the buffers are done
                     workgroupBarrier();
 //#if !ABL_NOSTAGE
+//#if PX
+                    // PX: step s from slot s % SU, issued SU steps before
+                    store_step(l$d, s, 0u, wr, wload, lr, lo, lt, lq, K);
+//#else
 //#if PD
                     // PD: step s's weights from slot s % SU, issued SU steps before
                     lv.w = w$d;
@@ -659,10 +670,15 @@ fn main(
                     // store step s (loaded during step s - 1's products)
                     store_step(lv, s, 0u, wr, wload, lr, lo, lt, lq, K);
 //#endif
+//#endif
                     workgroupBarrier();
                     // issue step s + 1's loads, then multiply step s
 //#if !ABL_NOSTAGE
-//#if PD
+//#if PX
+                    if s + SU < se {
+                        l$d = load_step(s + SU, wr, wload, lo, K, xr, xload, lo_off);
+                    }
+//#elif PD
                     if s + 1u < se {
                         lv = load_step_w(s + 1u, lv.w, xr, xload, lo_off);
                     }

@@ -292,11 +292,13 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
                 .flag("ABL_NOW", ablate("now"))
                 .flag("ABL_NOX", ablate("nox"))
                 .flag("ABL_NOWLOAD", ablate("nowload"))
+                .flag("ABL_NOXLOAD", ablate("noxload"))
                 .c("ABL_SPLIT", if ablate("half") { 2 } else { 1 });
             let o = LoadOptions::of(fmt, mt, bk, db);
             weight_source(s, fmt, false, false, false)
                 .flag("PD", o.depth > 1)
                 .c("SU", o.depth)
+                .flag("PX", o.px)
                 .flag("WV", o.wv)
                 .flag("W_VEC4", o.wv)
                 .flag("XW", o.xw)
@@ -309,43 +311,52 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
 }
 
 /// The f16 GEMM's load options for `fmt` with tiles of `mt` and steps of `bk` (`db`: double
-/// buffers), from the environment when a kernel is built (and named); off by default, not yet
-/// timed on a GPU with tensor cores.
+/// buffers), read from the environment when a kernel is built (and named). All on by default:
+/// on an H100 (12B synthetic, 4-bit g64) they took the f16 GEMM of 15360 x 3840 at 512 tokens
+/// from 1,143 to 1,002 µs and pp512 from 2,128 to 2,355 tok/s (docs/PERF.md).
 struct LoadOptions {
     /// Steps ahead each step's weights are loaded (`PD` in `gemm_coop.wgsl`, its step loop
-    /// unrolled as many times; single buffers only): `MARKBASE_COOP_PD` (2 to 8), 2 with
-    /// `MARKBASE_COOP_PW=1`, else 1 (one step ahead, with the activations).
+    /// unrolled as many times; single buffers only): `MARKBASE_COOP_PD` (1 to 8, default
+    /// [`DEPTH`]; 1: one step ahead, with the activations).
     depth: u32,
+    /// With `depth` > 1, the activations loaded as many steps ahead as the weights (`PX`, in the
+    /// same slots; else one step ahead): `MARKBASE_COOP_PX=1`. Off until timed: the activations'
+    /// loads are most of what the staging costs (an ablation without them: 1,013 -> 697 µs).
+    px: bool,
     /// 4-bit affine weights (groups of 32 or more) a 16-byte word at a time (`WV`: rows of
     /// K % 32 == 0; one load of codes and one of scale words per loader and step, where the
-    /// generic decoder makes one of each per octet): `MARKBASE_COOP_WV=1`.
+    /// generic decoder makes one of each per octet); `MARKBASE_COOP_WV=0` turns it off.
     wv: bool,
     /// The f16 activations 16 bytes at a time, a loader's words interleaved with its token's
     /// other loaders' (`XW`, where each loader takes an even number of vec4<f16>: tiles of 64 or
-    /// 128 tokens, or steps of 64), so that a subgroup's load reads whole 32-byte sectors:
-    /// `MARKBASE_COOP_XW=1`.
+    /// 128 tokens, or steps of 64), so that a subgroup's load reads whole 32-byte sectors;
+    /// `MARKBASE_COOP_XW=0` turns it off.
     xw: bool,
 }
 
+/// Default steps ahead of the weights' loads ([`LoadOptions`]).
+const DEPTH: u32 = 4;
+
 impl LoadOptions {
     fn of(fmt: GpuFormat, mt: u8, bk: u8, db: bool) -> LoadOptions {
-        let on = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+        let off = |v: &str| std::env::var(v).is_ok_and(|v| v == "0");
         let depth = match std::env::var("MARKBASE_COOP_PD").ok().and_then(|v| v.parse::<u32>().ok()) {
             _ if db => 1,
             Some(d) => d.clamp(1, 8),
-            None if on("MARKBASE_COOP_PW") => 2,
-            None => 1,
+            None => DEPTH,
         };
         LoadOptions {
             depth,
-            wv: matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && on("MARKBASE_COOP_WV"),
-            xw: on("MARKBASE_COOP_XW") && (bk as u32 * mt as u32) % 64 == 0,
+            px: depth > 1 && std::env::var("MARKBASE_COOP_PX").is_ok_and(|v| v == "1"),
+            wv: matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && !off("MARKBASE_COOP_WV"),
+            xw: !off("MARKBASE_COOP_XW") && (bk as u32 * mt as u32) % 64 == 0,
         }
     }
 
-    /// The kernel name's part: ` pdN`, ` wv`, ` xw`.
+    /// The kernel name's part: ` pdN`, ` px`, ` wv`, ` xw`.
     fn suffix(&self) -> String {
         let mut n = if self.depth > 1 { format!(" pd{}", self.depth) } else { String::new() };
+        n += if self.px { " px" } else { "" };
         n += if self.wv { " wv" } else { "" };
         n += if self.xw { " xw" } else { "" };
         n
@@ -354,8 +365,9 @@ impl LoadOptions {
 
 /// Whether `MARKBASE_COOP_ABLATE` (comma-separated) names the ablation `what` of
 /// `gemm_coop.wgsl` (`nostage`: no staging; `now`: no weight staging; `nox`: no activations'
-/// staging; `nowload`: weights made up, decoded and stored but never read; `half`: half the
-/// products): for timing its parts; the results are wrong.
+/// staging; `nowload`: weights made up, decoded and stored but never read; `noxload`: zeros
+/// staged for the activations, never read; `half`: half the products): for timing its parts; the
+/// results are wrong.
 fn ablate(what: &str) -> bool {
     std::env::var("MARKBASE_COOP_ABLATE").is_ok_and(|v| v.split(',').any(|a| a == what))
 }
