@@ -323,7 +323,7 @@ fn vision_attention_f16_selection() {
     assert!(vision_coop::spec_for(&fma, 129, false).is_none(), "D=129 takes the f32 kernels");
     assert!(vision_coop::spec_for(&k(CoopMode::Off), 72, false).is_none(), "mode off takes the f32 kernels");
     assert!(vision_coop::spec_for(&k(CoopMode::Tensor8), 72, false).is_none(), "Metal's 8 x 8 takes the f32 kernels");
-    // tensor cores: the f32 tiled kernel unless asked for (until the kernel has passed on one)
+    // tensor cores: the cooperative-matrix kernel by default, the f32 tiled one where asked for
     let sel = std::env::var("MARKBASE_VISION_ATTN").unwrap_or_default();
     let want = sel == "coop" || (vision_coop::VISION_ATTN_COOP_DEFAULT && sel != "tiled" && sel != "f32");
     let spec = vision_coop::spec_for(&k(CoopMode::Tensor), 72, false);

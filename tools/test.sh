@@ -32,7 +32,4 @@ if [ $# -eq 0 ]; then
   # uniformity the products need: the twin above has no products)
   MARKBASE_COOP_WV=0 MARKBASE_COOP_XW=0 MARKBASE_COOP_PD=2 cargo test --release --test naga_targets
   MARKBASE_ROW_MT=1 cargo test --release --test row_gemm
-  # the activations loaded as far ahead as the weights (off by default)
-  MARKBASE_COOP_PX=1 MARKBASE_COOP_PD=3 cargo test --release --test row_gemm
-  MARKBASE_COOP_PX=1 cargo test --release --test naga_targets
 fi

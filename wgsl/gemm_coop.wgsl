@@ -20,7 +20,7 @@
 // during them cover 64 columns.
 //
 // PD (without DB): each step's weights are loaded SU steps ahead (its activations one step
-// ahead; with PX SU steps ahead as well), into slot s % SU of SU sets of registers: SU times the weight bytes in flight, for a
+// ahead), into slot s % SU of SU sets of registers: SU times the weight bytes in flight, for a
 // few more registers. The step loop is unrolled SU times so that every slot is a variable of its
 // own (no copies between slots, which would wait for their loads).
 //
@@ -84,7 +84,9 @@ enable wgpu_cooperative_matrix;
 // per (tile, part): the tile's sums, [token][row]; a counter per tile
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 @group(0) @binding(6) var<storage, read_write> done: array<atomic<u32>>;
-var<workgroup> wlast: u32;
+// (x; a vec4 keeps every workgroup variable a multiple of 16 bytes, as cooperative loads and
+// stores need: see vision_attn_coop.wgsl's flag)
+var<workgroup> wlast: vec4<u32>;
 
 // Index in `part` of the first sum of part z of tile `tile`.
 fn part_base(tile: u32, z: u32) -> u32 {
@@ -97,9 +99,9 @@ fn part_base(tile: u32, z: u32) -> u32 {
 fn split_finish(lid: u32, tile: u32, t0: u32, end: u32, r0: u32, gsc: f32) {
     storageBarrier();
     if lid == 0u {
-        wlast = u32(atomicAdd(&done[tile], 1u) + 1u == p.ksplit);
+        wlast.x = u32(atomicAdd(&done[tile], 1u) + 1u == p.ksplit);
     }
-    if workgroupUniformLoad(&wlast) == 1u {
+    if workgroupUniformLoad(&wlast).x == 1u {
         storageBarrier();
         for (var i = lid; i < BT * BN; i += 256u) {
             let t = t0 + i / BN;
@@ -586,19 +588,12 @@ fn main(
             let r0 = rx * BN;
             let wr = wbase + r0 + lr;
             let wload = r0 + lr < p.rows;
-//#if PX
-            // PX: steps sb .. sb + SU - 1, weights and activations, slot by slot
-//#repeat SU d
-            var l$d = load_step(sb + $du, wr, wload && sb + $du < se, lo, K, xr, xload && sb + $du < se, lo_off);
-//#endrepeat
-//#else
             var lv = load_step(sb, wr, wload, lo, K, xr, xload, lo_off);
 //#if PD
             // PD: the weights of steps sb .. sb + SU - 1, slot by slot
 //#repeat SU d
             var w$d = load_w_any(sb + $du, wr, wload && sb + $du < se, lo, K);
 //#endrepeat
-//#endif
 //#endif
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
@@ -659,10 +654,6 @@ fn main(
                     // the previous step's (or tile's) reads of the buffers are done
                     workgroupBarrier();
 //#if !ABL_NOSTAGE
-//#if PX
-                    // PX: step s from slot s % SU, issued SU steps before
-                    store_step(l$d, s, 0u, wr, wload, lr, lo, lt, lq, K);
-//#else
 //#if PD
                     // PD: step s's weights from slot s % SU, issued SU steps before
                     lv.w = w$d;
@@ -670,15 +661,10 @@ fn main(
                     // store step s (loaded during step s - 1's products)
                     store_step(lv, s, 0u, wr, wload, lr, lo, lt, lq, K);
 //#endif
-//#endif
                     workgroupBarrier();
                     // issue step s + 1's loads, then multiply step s
 //#if !ABL_NOSTAGE
-//#if PX
-                    if s + SU < se {
-                        l$d = load_step(s + SU, wr, wload, lo, K, xr, xload, lo_off);
-                    }
-//#elif PD
+//#if PD
                     if s + 1u < se {
                         lv = load_step_w(s + 1u, lv.w, xr, xload, lo_off);
                     }

@@ -136,8 +136,10 @@ var<workgroup> vf: array<f32, KT>;
 // per query: its scale, its rescaling factor this tile
 var<workgroup> sq: array<f32, QT>;
 var<workgroup> cor: array<f32, QT>;
-// set where some query of the tile rescales
-var<workgroup> flag: u32;
+// set where some query of the tile rescales (x). A vec4, so that every workgroup variable is a
+// multiple of 16 bytes: declared as a lone u32, an H100 stored the cooperative matrices one
+// element early into the score rows (each score became the next key's).
+var<workgroup> flag: vec4<u32>;
 
 // 2^e (e within f32's normal exponents)
 fn pow2(e: i32) -> f32 {
@@ -421,7 +423,7 @@ fn main(
 //#endrepeat
             }
             if lid == 0u {
-                flag = 0u;
+                flag.x = 0u;
             }
             workgroupBarrier();
 
@@ -515,7 +517,7 @@ fn main(
                         corr = exp2(m_run - mt);
                         m_run = mt;
                         l_run *= corr;
-                        flag = 1u;
+                        flag.x = 1u;
                     }
                 }
                 if hh == 0u {
@@ -565,7 +567,7 @@ fn main(
 //#endrepeat
             }
             // the weights and V are stored; whether any row rescales
-            let need = workgroupUniformLoad(&flag);
+            let need = workgroupUniformLoad(&flag).x;
             if need != 0u {
                 // O's rows times their factors, one 16 x 16 at a time through slot n % 2
                 converge();

@@ -142,7 +142,7 @@ fn vs_default(hilo: Hilo) -> bool {
 /// tile of the slot, or the split one's flag).
 pub fn spec_smem_bytes(spec: &KernelSpec) -> u32 {
     match *spec {
-        KernelSpec::GemmF16 { coop, hilo, mt, bk, db, grouped, split, .. } => smem_bytes(coop, hilo, mt, bk, db) + if grouped { 16 } else if split { 4 } else { 0 },
+        KernelSpec::GemmF16 { coop, hilo, mt, bk, db, grouped, split, .. } => smem_bytes(coop, hilo, mt, bk, db) + if grouped || split { 16 } else { 0 },
         _ => 0,
     }
 }
@@ -298,7 +298,6 @@ fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
             weight_source(s, fmt, false, false, false)
                 .flag("PD", o.depth > 1)
                 .c("SU", o.depth)
-                .flag("PX", o.px)
                 .flag("WV", o.wv)
                 .flag("W_VEC4", o.wv)
                 .flag("XW", o.xw)
@@ -319,10 +318,6 @@ struct LoadOptions {
     /// unrolled as many times; single buffers only): `MARKBASE_COOP_PD` (1 to 8, default
     /// [`DEPTH`]; 1: one step ahead, with the activations).
     depth: u32,
-    /// With `depth` > 1, the activations loaded as many steps ahead as the weights (`PX`, in the
-    /// same slots; else one step ahead): `MARKBASE_COOP_PX=1`. Off until timed: the activations'
-    /// loads are most of what the staging costs (an ablation without them: 1,013 -> 697 µs).
-    px: bool,
     /// 4-bit affine weights (groups of 32 or more) a 16-byte word at a time (`WV`: rows of
     /// K % 32 == 0; one load of codes and one of scale words per loader and step, where the
     /// generic decoder makes one of each per octet); `MARKBASE_COOP_WV=0` turns it off.
@@ -347,16 +342,14 @@ impl LoadOptions {
         };
         LoadOptions {
             depth,
-            px: depth > 1 && std::env::var("MARKBASE_COOP_PX").is_ok_and(|v| v == "1"),
             wv: matches!(fmt, GpuFormat::Affine { bits: 4, group, .. } if group >= 32) && !off("MARKBASE_COOP_WV"),
             xw: !off("MARKBASE_COOP_XW") && (bk as u32 * mt as u32) % 64 == 0,
         }
     }
 
-    /// The kernel name's part: ` pdN`, ` px`, ` wv`, ` xw`.
+    /// The kernel name's part: ` pdN`, ` wv`, ` xw`.
     fn suffix(&self) -> String {
         let mut n = if self.depth > 1 { format!(" pd{}", self.depth) } else { String::new() };
-        n += if self.px { " px" } else { "" };
         n += if self.wv { " wv" } else { "" };
         n += if self.xw { " xw" } else { "" };
         n
