@@ -4,7 +4,7 @@
 #  - fetches and converts the real Gemma 3 270M model once (cached in models/),
 #  - installs the pinned `openai` Python client (the server's tests use it),
 #  - runs every test of the workspace in release mode (and, without arguments, the batch GEMM's
-#    cases again with the f16 GEMM's staging options on).
+#    cases again with the f16 GEMM's staging options off, and with 32-token tiles).
 # GPU tests fail (never skip) when no adapter can be found.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -47,7 +47,8 @@
 // Ablations, for timing the parts (`MARKBASE_COOP_ABLATE`; wrong results): ABL_NOSTAGE leaves the
 // staging out (no loads, no stores: the products run on what the buffers hold), ABL_NOW the
 // weights' staging, ABL_NOX the activations', ABL_NOWLOAD the weights' loads (made-up words,
-// decoded and stored), ABL_NOXLOAD the activations' loads (zeros staged); ABL_SPLIT = 2 runs the 16 x 16 products of half of each step.
+// decoded and stored), ABL_NOXLOAD the activations' loads (zeros staged); ABL_SPLIT = 2 runs the
+// 16 x 16 products of half of each step.
 //
 // GROUPED (Op::GroupedMatMul, as gemm.wgsl's GROUPED): the tokens are the P = T S (token,
 // expert) pairs, grouped by expert in `grp` (binding 3, Op::MoeGroup's value). The grid has a

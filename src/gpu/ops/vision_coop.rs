@@ -1,10 +1,10 @@
 //! The vision towers' bidirectional attention (`Op::FullAttention`) on f16 tiles
 //! (`vision_attn_coop.wgsl`): a flash attention whose products run on cooperative matrices
 //! (tensor cores) where the f16 GEMM's mode is [`CoopMode::Tensor`] (see
-//! [`VISION_ATTN_COOP_DEFAULT`]), or as their twin
-//! with a plain FMA loop ([`CoopMode::Fma`]: the tests' software rasterizer checks the tiling,
-//! staging, scaling, softmax and epilogue there). Elsewhere (mode `Off`, Metal's 8 x 8 matrices, head dims past [`MAX_D`], too little workgroup memory, or
-//! `MARKBASE_VISION_ATTN=tiled`) the f32 kernels of `vision.wgsl` run.
+//! [`VISION_ATTN_COOP_DEFAULT`]), or as their twin with a plain FMA loop ([`CoopMode::Fma`]: the
+//! tests' software rasterizer checks the tiling, staging, scaling, softmax and epilogue there).
+//! Elsewhere (mode `Off`, Metal's 8 x 8 matrices, head dims past [`MAX_D`], too little workgroup
+//! memory, or `MARKBASE_VISION_ATTN=tiled`) the f32 kernels of `vision.wgsl` run.
 //!
 //! A workgroup of 128 invocations takes [`QT`] queries of one head and walks the keys in tiles of
 //! 32 (or 16); queries and keys are scaled per row by powers of two and split into hi + lo f16 pairs
