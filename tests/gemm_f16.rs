@@ -27,23 +27,25 @@ use markbase::graph::quant::FloatType;
 use rand::rngs::StdRng;
 use rand::Rng;
 
-/// The kernel variants checked: (split, results per subgroup along the tokens, vec4 buffers,
+/// The kernel variants checked: (split, results per subgroup along the tokens and along the rows, vec4 buffers,
 /// centred affine weights, K per step, double buffers); those whose workgroup memory exceeds the
 /// adapter's are left out, and the centred ones where the format has no centring.
-const VARIANTS: [(Hilo, u8, bool, bool, u8, bool); 13] = [
-    (Hilo::Both, 2, false, false, 32, false),
-    (Hilo::X, 4, false, false, 32, false),
-    (Hilo::Off, 4, true, false, 32, false),
-    (Hilo::Both, 2, true, false, 32, false),
-    (Hilo::X, 2, true, true, 32, false),
-    (Hilo::X, 4, true, true, 32, false),
-    (Hilo::X, 2, true, true, 64, false),
-    (Hilo::X, 2, true, true, 32, true),
-    (Hilo::Off, 2, true, false, 64, true),
-    (Hilo::Both, 2, false, false, 64, false),
-    (Hilo::Off, 2, true, false, 32, true),
-    (Hilo::Off, 4, true, false, 64, false),
-    (Hilo::Off, 4, false, false, 32, true),
+const VARIANTS: [(Hilo, u8, u8, bool, bool, u8, bool); 15] = [
+    (Hilo::Both, 2, 2, false, false, 32, false),
+    (Hilo::X, 4, 2, false, false, 32, false),
+    (Hilo::Off, 4, 2, true, false, 32, false),
+    (Hilo::Both, 2, 2, true, false, 32, false),
+    (Hilo::X, 2, 2, true, true, 32, false),
+    (Hilo::X, 4, 2, true, true, 32, false),
+    (Hilo::X, 2, 2, true, true, 64, false),
+    (Hilo::X, 2, 2, true, true, 32, true),
+    (Hilo::Off, 2, 2, true, false, 64, true),
+    (Hilo::Both, 2, 2, false, false, 64, false),
+    (Hilo::Off, 2, 2, true, false, 32, true),
+    (Hilo::Off, 4, 2, true, false, 64, false),
+    (Hilo::Off, 4, 2, false, false, 32, true),
+    (Hilo::X, 2, 4, true, true, 32, false),
+    (Hilo::Both, 2, 4, false, false, 32, false),
 ];
 
 /// One case: W `[n, k]` of `fmt` in about `nchunks` chunks, `t` tokens whose rows have their
@@ -81,14 +83,14 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
         // the variants, and the chosen kernel where it cuts K into parts (few tiles)
         let mut specs: Vec<KernelSpec> = VARIANTS
             .iter()
-            .filter(|&&(hilo, mt, _, center, bk, db)| gemm_f16::smem_bytes(*coop, hilo, mt, bk, db) <= gpu.limits().max_compute_workgroup_storage_size && (!center || gemm_f16::center(fmt, k)))
-            .map(|&(hilo, mt, vs, center, bk, db)| KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk, db, grouped: false, split: false })
+            .filter(|&&(hilo, mt, nt, _, center, bk, db)| gemm_f16::smem_bytes(*coop, hilo, mt, nt, bk, db) <= gpu.limits().max_compute_workgroup_storage_size && (!center || gemm_f16::center(fmt, k)))
+            .map(|&(hilo, mt, nt, vs, center, bk, db)| KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, nt, vs, center, bk, db, grouped: false, split: false })
             .collect();
         if matches!(chosen.spec, KernelSpec::GemmF16 { split: true, .. }) {
             specs.push(chosen.spec);
         }
         for spec in specs {
-            let KernelSpec::GemmF16 { hilo, mt, vs, center, bk, db, split, .. } = spec else { unreachable!() };
+            let KernelSpec::GemmF16 { hilo, mt, nt, vs, center, bk, db, split, .. } = spec else { unreachable!() };
             let mm = kk.matmul_spec(spec).unwrap();
             // centred weights are exact in f16: the activations' split alone bounds the error
             let exact_w = center || gemm_f16::values_in_f16(fmt);
@@ -112,7 +114,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
                 }
             });
             let got = gpu.read_f32(&y, t * n).unwrap();
-            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} vs={vs} centred={center} bk={bk} db={db} parts={:?}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), dims.iter().map(|d| mm.ksplit(d)).collect::<Vec<_>>(), gw.chunks.len());
+            let what = format!("gemm_f16 {} [{label} {hilo:?} mt={mt} nt={nt} vs={vs} centred={center} bk={bk} db={db} parts={:?}] N={n} K={k} T={t} chunks={} max|x| {amps:?}", fmt.describe(), dims.iter().map(|d| mm.ksplit(d)).collect::<Vec<_>>(), gw.chunks.len());
             let worst = worst(&got, &want, &mag);
             let i = worst.0;
             println!("{what}: worst error {:.2e} of sum|x||w|", worst.1);
@@ -164,7 +166,7 @@ fn gemm_f16_several_tiles_and_huge_activations() {
 /// and every f16 variant that fits the
 /// adapter (`MARKBASE_BENCH_VARIANTS`: `hilo:mt:vs[:flag...]` items, e.g. `both:2:0,x:4:1:c`,
 /// `x:2:1:c:k64:db`; flags in any order: `c` centred weights, `k64` steps of 64, `db` double
-/// buffers), each GEMM
+/// buffers, `n4` tiles of 256 rows), each GEMM
 /// with its activations' pass, timed as one pass of `MARKBASE_BENCH_LAYERS` dispatch pairs
 /// (timestamps where the adapter has them), median of `MARKBASE_BENCH_ITERS`; TFLOP/s of
 /// 2 T N K.
@@ -177,7 +179,7 @@ fn throughput() {
     let t = envu("MARKBASE_BENCH_T", 512);
     let layers = envu("MARKBASE_BENCH_LAYERS", 8);
     let iters = envu("MARKBASE_BENCH_ITERS", 5);
-    let variants: Vec<(Hilo, u8, bool, bool, u8, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
+    let variants: Vec<(Hilo, u8, u8, bool, bool, u8, bool)> = match std::env::var("MARKBASE_BENCH_VARIANTS") {
         Ok(v) => v
             .split(',')
             .map(|s| {
@@ -188,22 +190,22 @@ fn throughput() {
                     _ => Hilo::Off,
                 };
                 let flag = |n: &str| f.iter().skip(3).any(|&x| x == n);
-                (h, f[1].parse().unwrap(), f[2] == "1", flag("c"), if flag("k64") { 64 } else { 32 }, flag("db"))
+                (h, f[1].parse().unwrap(), if flag("n4") { 4 } else { 2 }, f[2] == "1", flag("c"), if flag("k64") { 64 } else { 32 }, flag("db"))
             })
             .collect(),
         Err(_) => vec![
-            (Hilo::Both, 2, false, false, 32, false),
-            (Hilo::Off, 4, false, false, 32, false),
-            (Hilo::Off, 4, true, false, 32, false),
-            (Hilo::X, 4, true, false, 32, false),
-            (Hilo::X, 2, true, false, 32, false),
-            (Hilo::X, 4, true, true, 32, false),
-            (Hilo::X, 2, true, true, 32, false),
-            (Hilo::X, 2, true, true, 64, false),
-            (Hilo::X, 2, true, true, 32, true),
-            (Hilo::Off, 4, true, false, 64, false),
-            (Hilo::Off, 4, true, false, 32, true),
-            (Hilo::Off, 2, true, false, 64, false),
+            (Hilo::Both, 2, 2, false, false, 32, false),
+            (Hilo::Off, 4, 2, false, false, 32, false),
+            (Hilo::Off, 4, 2, true, false, 32, false),
+            (Hilo::X, 4, 2, true, false, 32, false),
+            (Hilo::X, 2, 2, true, false, 32, false),
+            (Hilo::X, 4, 2, true, true, 32, false),
+            (Hilo::X, 2, 2, true, true, 32, false),
+            (Hilo::X, 2, 2, true, true, 64, false),
+            (Hilo::X, 2, 2, true, true, 32, true),
+            (Hilo::Off, 4, 2, true, false, 64, false),
+            (Hilo::Off, 4, 2, true, false, 32, true),
+            (Hilo::Off, 2, 2, true, false, 64, false),
         ],
     };
     let fmt = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
@@ -230,11 +232,11 @@ fn throughput() {
         let bgs: Vec<_> = ws.iter().map(|w| mm.bind_group(&gpu.device, &pb, &x, &y, None, w, 0)).collect();
         let sec = median_pass_seconds(&gpu, iters, |pass| bgs.iter().for_each(|bg| mm.dispatch(pass, bg, &d))) / layers as f64;
         println!("BENCH gemm T={t} N={n} K={k} {}: {:.1} us, {:.1} TFLOP/s", mm.kernel.name, sec * 1e6, flop / sec / 1e12);
-        for &(hilo, mt, vs, center, bk, db) in &variants {
-            if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
+        for &(hilo, mt, nt, vs, center, bk, db) in &variants {
+            if gemm_f16::smem_bytes(coop == CoopMode::Tensor, hilo, mt, nt, bk, db) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
-            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, vs, center, bk, db, grouped: false, split: false }).unwrap();
+            let mm = kf16.matmul_spec(KernelSpec::GemmF16 { fmt, coop: coop == CoopMode::Tensor, m8: false, hilo, mt, nt, vs, center, bk, db, grouped: false, split: false }).unwrap();
             let scales = gpu.storage("scales", (t * 4) as u64);
             let x16 = gpu.storage("x16", gemm_f16::x16_bytes(&mm.spec, t, k));
             let rk = kf16.row_scale(&mm, k).unwrap();

@@ -108,7 +108,7 @@ fn case(gpu: &Gpu, ks: &[(&str, Kernels, bool)], r: &mut StdRng, fmt: GpuFormat,
     let mut worst_all = 0f32;
     for (label, kk, coop) in ks {
         for (hilo, mt, vs, center) in variants(fmt, k) {
-            let spec = KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, vs, center, bk: 32, db: false, grouped: true, split: false };
+            let spec = KernelSpec::GemmF16 { fmt, coop: *coop, m8: false, hilo, mt, nt: 2, vs, center, bk: 32, db: false, grouped: true, split: false };
             if gemm_f16::spec_smem_bytes(&spec) > gpu.limits().max_compute_workgroup_storage_size {
                 continue;
             }
@@ -174,7 +174,7 @@ fn grouped_gemm_f16_rows_independent_of_their_tiles() {
         for mt in [2, 4] {
             let mm = kk.grouped_matmul_rows(q4, k, n, 1 << 20, ne).unwrap();
             let KernelSpec::GemmF16 { hilo, vs, center, coop, m8, .. } = mm.spec else { panic!("{}: not the f16 GEMM", mm.kernel.name) };
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt: q4, coop, m8, hilo, mt, vs, center, bk: 32, db: false, grouped: true, split: false }).unwrap();
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt: q4, coop, m8, hilo, mt, nt: 2, vs, center, bk: 32, db: false, grouped: true, split: false }).unwrap();
             let y0 = run_grouped(&gpu, kk, &mm, &gw, &x0, &cpu::moe_group(&ids0, ne).unwrap(), (t0, s), true);
             let y1 = run_grouped(&gpu, kk, &mm, &gw, &x1, &cpu::moe_group(&ids1, ne).unwrap(), (t0 + t1, s), true);
             let tail = &y1[t1 * s * n..];

@@ -118,8 +118,8 @@ fn row_gemm_rows_do_not_depend_on_the_row_count() {
     }
 }
 
-/// Prefill's split (few tiles of many tokens): several tiles of tokens, 64 and 128 tokens each,
-/// against the CPU within the bound.
+/// Prefill's split (few tiles of many tokens): several tiles of tokens, 64 and 128 tokens each
+/// (and 64 tokens x 256 rows), against the CPU within the bound.
 #[test]
 fn split_gemm_over_several_token_tiles() {
     let gpu = Gpu::new().unwrap_or_else(|e| panic!("GPU kernel tests need an adapter: {e}"));
@@ -131,8 +131,8 @@ fn split_gemm_over_several_token_tiles() {
     let gw = upload_weight(&gpu, &wd, None).unwrap();
     for (label, kk, _) in kernels(&gpu) {
         let KernelSpec::GemmF16 { coop, m8, hilo, vs, center, bk, db, .. } = kk.row_f16(fmt, k).unwrap().spec else { unreachable!() };
-        for (t, mt) in [(150, 2u8), (300, 4)] {
-            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped: false, split: true }).unwrap();
+        for (t, mt, nt) in [(150, 2u8, 2u8), (300, 4, 2), (300, 2, 4)] {
+            let mm = kk.matmul_spec(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, nt, vs, center, bk, db, grouped: false, split: true }).unwrap();
             let x = randn(&mut r, t * k, 3.0);
             let d = MatMulDims::plain(&gw, 0, t);
             assert!(mm.ksplit(&d) > 1, "{label}: K is cut");

@@ -10,8 +10,10 @@
 // The activations come as f16 already (x16, binding 1: x / s, its hi and with HILO_X its lo
 // parts, padded; written by row_scale.wgsl with the per-token scales s, binding 7), so that a
 // tile of them is a copy. A workgroup of 256 invocations (8 groups of 32, a subgroup each under
-// COOP) computes a tile of BT = 32 MT tokens x 128 rows; group g takes tokens 16 MT (g / 4) ..
-// + 16 MT and rows 32 (g % 4) .. + 32 as MT x 2 results of 16 x 16. K advances BK (32 or 64) at
+// COOP) computes a tile of BT = 32 MT tokens x BN = 64 NT rows; group g takes tokens
+// 16 MT (g / 4) .. + 16 MT and rows 16 NT (g % 4) .. + 16 NT as MT x NT results of 16 x 16
+// (NT = 2: tiles of 128 rows; NT = 4, with MT = 2: 64 tokens x 256 rows, the same products per
+// step for half the activations' bytes and twice the weights'). K advances BK (32 or 64) at
 // a time through workgroup-memory buffers, one per input: while the products of one step run,
 // the next step's weight words and activations are in flight in registers; they are decoded
 // (weights), converted and stored after the products (two barriers per step). BK = 64 stages
@@ -123,7 +125,7 @@ fn split_finish(lid: u32, tile: u32, t0: u32, end: u32, r0: u32, gsc: f32) {
 //#endif
 
 const BT: u32 = 32u * MT;  // tokens per tile
-const BN: u32 = 128u;      // rows per tile
+const BN: u32 = 64u * NT;  // rows per tile
 // BK: K per step (32 or 64), from the Rust side
 // f16 elements per staged row (COOP: padded by 8, so that a 16 x 16 load meets no bank twice)
 const LDS: u32 = BK + PAD;
@@ -138,8 +140,10 @@ const NB: u32 = 1u;
 // that each copies
 const TPR: u32 = 8u / MT;
 const XPT: u32 = BK / 4u / TPR;
-// octets of a weight row's step that each of its two loading invocations decodes
-const OPI: u32 = BK / 16u;
+// loading invocations per weight row (2, or 1 with NT = 4), and the octets of the row's step
+// that each decodes (NT = 4 only with BK = 32: at most four)
+const WPR: u32 = 256u / BN;
+const OPI: u32 = BK / 8u / WPR;
 
 //#if VS
 var<workgroup> xs: array<vec4<f16>, NB * XS / 4u>;
@@ -345,8 +349,8 @@ fn load_w(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI> {
 
 //#if WV
 // load_w for 4-bit affine weights with K % 32 == 0 (wq read as vec4<u32>, one word per octet):
-// the loader's OPI words in one load (half of a 16-byte word with steps of 32, all of one with
-// steps of 64) and its group's scale words once (its 8 OPI columns lie in one group); zeros past
+// the loader's OPI words in one load (half of a 16-byte word with steps of 32 and two loaders
+// per row, all of one otherwise) and its group's scale words once (its 8 OPI columns lie in one group); zeros past
 // K (the centring's columns: a loader's columns are all within K or all past it).
 fn load_w_vec(s: u32, wr: u32, wload: bool, lo: u32, K: u32) -> array<ROct, OPI> {
     var w: array<ROct, OPI>;
@@ -542,13 +546,13 @@ fn main(
     let g = lid / 32u;      // group: a subgroup under COOP
     let l = lid % 32u;      // lane in the group
     let gt = 16u * MT * (g / 4u);  // the group's first token in the tile
-    let gn = 32u * (g % 4u);       // its first row
+    let gn = 16u * NT * (g % 4u);  // its first row
     // activation loader: token lt, vec4s lq .. lq + XPT of the step's BK / 4
     let lt = lid / TPR;
     let lq = (lid % TPR) * XPT;
     // weight loader: row lr, octets OPI lo .. + OPI of the step's BK / 8
-    let lr = lid / 2u;
-    let lo = lid % 2u;
+    let lr = lid / WPR;
+    let lo = lid % WPR;
     let nsteps = (k_aug(K) + BK - 1u) / BK;
     // the workgroup's steps: sb .. se (SPLIT: part wid.z of p.ksplit; the host makes each part
     // hold at least one step)
@@ -599,7 +603,7 @@ fn main(
 //#if COOP && M8
             // each 16 x 16 result (a, b) as 2 x 2 results of 8 x 8 (i, j)
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 i
 //#repeat 2 j
             var c$a$b$i$j = coop_mat8x8<f32, C>();
@@ -609,14 +613,14 @@ fn main(
 //#endrepeat
 //#elif COOP
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
             var c$a$b = coop_mat16x16<f32, C>();
 //#endrepeat
 //#endrepeat
 //#else
-            // results (a, b): token gt + 16a + l / 2, rows gn + 16b + 8 (l % 2) + j at 8 (2a + b) + j
-            var acc: array<f32, 16u * MT>;
-            for (var j = 0u; j < 16u * MT; j++) {
+            // results (a, b): token gt + 16a + l / 2, rows gn + 16b + 8 (l % 2) + j at 8 (NT a + b) + j
+            var acc: array<f32, 8u * MT * NT>;
+            for (var j = 0u; j < 8u * MT * NT; j++) {
                 acc[j] = 0.0;
             }
 //#endif
@@ -690,13 +694,13 @@ fn main(
                         let a$a$i = coopLoadT<coop_mat8x8<f16, A>>(&xs[ia + (16u * $au + 8u * $iu) * ld], ld);
 //#endrepeat
 //#endrepeat
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 j
                         let b$b$j = coopLoad<coop_mat8x8<f16, B>>(&ws[ib + (16u * $bu + 8u * $ju) * ld], ld);
 //#endrepeat
 //#endrepeat
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 i
 //#repeat 2 j
                         c$a$b$i$j = coopMultiplyAdd(a$a$i, b$b$j, c$a$b$i$j);
@@ -705,13 +709,13 @@ fn main(
 //#endrepeat
 //#endrepeat
 //#if HILO_W
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 j
                         let bl$b$j = coopLoad<coop_mat8x8<f16, B>>(&wl[ib + (16u * $bu + 8u * $ju) * ld], ld);
 //#endrepeat
 //#endrepeat
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 i
 //#repeat 2 j
                         c$a$b$i$j = coopMultiplyAdd(a$a$i, bl$b$j, c$a$b$i$j);
@@ -727,7 +731,7 @@ fn main(
 //#endrepeat
 //#endrepeat
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 i
 //#repeat 2 j
                         c$a$b$i$j = coopMultiplyAdd(al$a$i, b$b$j, c$a$b$i$j);
@@ -745,20 +749,20 @@ fn main(
 //#repeat MT a
                         let a$a = coopLoadT<coop_mat16x16<f16, A>>(&xs[ia + 16u * $au * ld], ld);
 //#endrepeat
-//#repeat 2 b
+//#repeat NT b
                         let b$b = coopLoad<coop_mat16x16<f16, B>>(&ws[ib + 16u * $bu * ld], ld);
 //#endrepeat
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
                         c$a$b = coopMultiplyAdd(a$a, b$b, c$a$b);
 //#endrepeat
 //#endrepeat
 //#if HILO_W
-//#repeat 2 b
+//#repeat NT b
                         let bl$b = coopLoad<coop_mat16x16<f16, B>>(&wl[ib + 16u * $bu * ld], ld);
 //#endrepeat
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
                         c$a$b = coopMultiplyAdd(a$a, bl$b, c$a$b);
 //#endrepeat
 //#endrepeat
@@ -768,7 +772,7 @@ fn main(
                         let al$a = coopLoadT<coop_mat16x16<f16, A>>(&xl[ia + 16u * $au * ld], ld);
 //#endrepeat
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
                         c$a$b = coopMultiplyAdd(al$a, b$b, c$a$b);
 //#endrepeat
 //#endrepeat
@@ -782,10 +786,10 @@ fn main(
 //#if HILO_X
                             let xla = xl_at(ix);
 //#endif
-                            for (var b = 0u; b < 2u; b++) {
+                            for (var b = 0u; b < NT; b++) {
                                 let wb = buf * WS + (gn + 16u * b + 8u * (l % 2u)) * LDS + k;
                                 for (var j = 0u; j < 8u; j++) {
-                                    let q = 8u * (2u * a + b) + j;
+                                    let q = 8u * (NT * a + b) + j;
                                     let wh = ws_at(wb + j * LDS);
                                     acc[q] = fma(xa, wh, acc[q]);
 //#if HILO_W
@@ -812,7 +816,7 @@ fn main(
 //#if COOP && M8
             // each result's four 8 x 8 through the group's 16 x 16 of cs
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
 //#repeat 2 i
 //#repeat 2 j
             coopStoreT(c$a$b$i$j, &cs[g * 256u + 128u * $iu + 8u * $ju], 16u);
@@ -826,7 +830,7 @@ fn main(
 //#elif COOP
             // each result through the group's 16 x 16 of cs
 //#repeat MT a
-//#repeat 2 b
+//#repeat NT b
             coopStoreT(c$a$b, &cs[g * 256u], 16u);
             workgroupBarrier();
             result_out(g, l, t0, tend, r0, gsc, pb, gt + 16u * $au, gn + 16u * $bu);
@@ -837,10 +841,10 @@ fn main(
             // straight from the registers
 //#if SPLIT
             for (var a = 0u; a < MT; a++) {
-                for (var b = 0u; b < 2u; b++) {
+                for (var b = 0u; b < NT; b++) {
                     let pr = pb + (gt + 16u * a + l / 2u) * BN + gn + 16u * b + 8u * (l % 2u);
                     for (var j = 0u; j < 8u; j++) {
-                        part[pr + j] = acc[8u * (2u * a + b) + j];
+                        part[pr + j] = acc[8u * (NT * a + b) + j];
                     }
                 }
             }
@@ -850,11 +854,11 @@ fn main(
                 if t < tend {
                     let sc = rs[x_row(t, tend)] * gsc;
                     let yr = y_row(t);
-                    for (var b = 0u; b < 2u; b++) {
+                    for (var b = 0u; b < NT; b++) {
                         for (var j = 0u; j < 8u; j++) {
                             let r = r0 + gn + 16u * b + 8u * (l % 2u) + j;
                             if r < p.rows {
-                                y[yr * p.ldy + p.row_start + r] = acc[8u * (2u * a + b) + j] * sc;
+                                y[yr * p.ldy + p.row_start + r] = acc[8u * (NT * a + b) + j] * sc;
                             }
                         }
                     }

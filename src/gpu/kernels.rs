@@ -120,13 +120,14 @@ pub enum KernelSpec {
     GroupedGemm { fmt: GpuFormat },
     /// The prefill GEMM on f16 tiles (`gemm_coop.wgsl`): `coop` on cooperative matrices, else its
     /// FMA twin; `hilo`: which inputs go as two f16 (hi and lo); `mt`: 16 x 16 results per
-    /// subgroup along the tokens (2 or 4: tiles of 64 or 128 tokens); `vs`: workgroup buffers of
+    /// subgroup along the tokens (2 or 4: tiles of 64 or 128 tokens), `nt` along the rows (2 or 4,
+    /// with `mt` 2 and `bk` 32: tiles of 128 or 256 rows); `vs`: workgroup buffers of
     /// vec4<f16>; `center`: affine weights centred, their biases as extra columns of K (see
     /// [`super::ops::gemm_f16::center`]). See [`super::ops::gemm_f16`].
     /// `m8`: on 8 x 8 cooperative matrices (Metal's) instead of 16 x 16. `bk`: K per step (32 or
     /// 64); `db`: two copies of each workgroup buffer, one barrier per step. `grouped`: over the
     /// pairs of each expert (`Op::GroupedMatMul`, binding 3 the `Op::MoeGroup` value).
-    GemmF16 { fmt: GpuFormat, coop: bool, m8: bool, hilo: Hilo, mt: u8, vs: bool, center: bool, bk: u8, db: bool, grouped: bool, split: bool },
+    GemmF16 { fmt: GpuFormat, coop: bool, m8: bool, hilo: Hilo, mt: u8, nt: u8, vs: bool, center: bool, bk: u8, db: bool, grouped: bool, split: bool },
     /// The f16 GEMM's activations: per-token scales and x / s in f16 (`row_scale.wgsl`);
     /// `xvec`: K % 4 == 0; `lo`: with the lo parts (`Hilo::X`, `Hilo::Both`); `aug`: the weight
     /// group whose sums follow each row (a centring GEMM's), or 0.

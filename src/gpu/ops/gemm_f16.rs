@@ -89,12 +89,12 @@ pub fn k_aug(spec: &KernelSpec, k: usize) -> usize {
     }
 }
 
-/// Workgroup memory (bytes) of the f16 GEMM with `mt` results per subgroup along the tokens,
-/// steps of `bk` (32 or 64) and with `db` two copies of each staging buffer.
-pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8, bk: u8, db: bool) -> u32 {
+/// Workgroup memory (bytes) of the f16 GEMM with `mt` results per subgroup along the tokens and
+/// `nt` along the rows, steps of `bk` (32 or 64) and with `db` two copies of each staging buffer.
+pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8, nt: u8, bk: u8, db: bool) -> u32 {
     let lds = bk as u32 + if coop { 8 } else { 0 };
     let xs = 32 * mt as u32 * lds;
-    let ws = TILE_N as u32 * lds;
+    let ws = tile_rows(nt) as u32 * lds;
     let f16s = xs * (1 + hilo.x() as u32) + ws * (1 + hilo.w() as u32);
     2 * f16s * (1 + db as u32) + if coop { 2048 * 4 } else { 0 }
 }
@@ -104,12 +104,28 @@ pub fn smem_bytes(coop: bool, hilo: Hilo, mt: u8, bk: u8, db: bool) -> u32 {
 /// H200, pp512, activations split: 128 tiles (N = 4096) 41.5 -> 47.6 TFLOP/s with 128 tokens,
 /// 64 tiles (N = 2048) 40.9 -> 24.7.
 pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> u8 {
-    let fits = smem_bytes(coop, hilo, 4, 32, false) <= smem_limit;
+    let fits = smem_bytes(coop, hilo, 4, 2, 32, false) <= smem_limit;
     match std::env::var("MARKBASE_COOP_MT").ok().and_then(|v| v.parse::<u8>().ok()) {
         Some(4) if fits => 4,
         Some(_) => 2,
-        None if fits && div_ceil(rows, TILE_N) * div_ceil(t, 128) >= 96 => 4,
+        None if fits && div_ceil(rows, tile_rows(2)) * div_ceil(t, 128) >= 96 => 4,
         None => 2,
+    }
+}
+
+/// The tile of the (ungrouped) f16 GEMM over `rows` x `t`: results per subgroup along the tokens
+/// and the rows, (`mt`, `nt`). (`tile_mt`, 2), tiles of 128 rows, by default;
+/// `MARKBASE_COOP_NT=4` takes 64 tokens x 256 rows ((2, 4): a step's 16 x 16 products as many,
+/// its activations' bytes half, its weights' twice) where the workgroup memory allows and the
+/// grid keeps at least 96 tiles.
+pub fn tile_shape(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> (u8, u8) {
+    let wide = std::env::var("MARKBASE_COOP_NT").is_ok_and(|v| v == "4")
+        && smem_bytes(coop, hilo, 2, 4, 32, false) <= smem_limit
+        && div_ceil(rows, tile_rows(4)) * div_ceil(t, 64) >= 96;
+    if wide {
+        (2, 4)
+    } else {
+        (tile_mt(coop, hilo, rows, t, smem_limit), 2)
     }
 }
 
@@ -117,8 +133,12 @@ pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -
 /// double ([`KernelSpec::GemmF16`]'s `bk`, `db`). 32 and single by default; `MARKBASE_COOP_BK=64`
 /// and `MARKBASE_COOP_DB=1` take them where the workgroup memory allows (steps of 64 first), else
 /// the default.
-pub fn staging(coop: bool, hilo: Hilo, mt: u8, smem_limit: u32) -> (u8, bool) {
-    let fits = |bk, db| smem_bytes(coop, hilo, mt, bk, db) <= smem_limit;
+/// Tiles of 256 rows (`nt` = 4) take the default.
+pub fn staging(coop: bool, hilo: Hilo, mt: u8, nt: u8, smem_limit: u32) -> (u8, bool) {
+    if nt == 4 {
+        return (32, false);
+    }
+    let fits = |bk, db| smem_bytes(coop, hilo, mt, nt, bk, db) <= smem_limit;
     let bk = if std::env::var("MARKBASE_COOP_BK").is_ok_and(|v| v == "64") && fits(64, false) { 64 } else { 32 };
     (bk, std::env::var("MARKBASE_COOP_DB").is_ok_and(|v| v == "1") && fits(bk, true))
 }
@@ -142,7 +162,7 @@ fn vs_default(hilo: Hilo) -> bool {
 /// tile of the slot, or the split one's flag).
 pub fn spec_smem_bytes(spec: &KernelSpec) -> u32 {
     match *spec {
-        KernelSpec::GemmF16 { coop, hilo, mt, bk, db, grouped, split, .. } => smem_bytes(coop, hilo, mt, bk, db) + if grouped || split { 16 } else { 0 },
+        KernelSpec::GemmF16 { coop, hilo, mt, nt, bk, db, grouped, split, .. } => smem_bytes(coop, hilo, mt, nt, bk, db) + if grouped || split { 16 } else { 0 },
         _ => 0,
     }
 }
@@ -172,8 +192,11 @@ pub fn takes_f16(n: usize, k: usize, t: usize) -> bool {
 
 const MIN_WEIGHT: usize = 4 << 20;
 
-/// Rows of one workgroup's tile (its tokens: 32 x `mt`).
-pub const TILE_N: usize = 128;
+/// Rows of one workgroup's tile with `nt` 16 x 16 results per subgroup along the rows (its
+/// tokens: 32 x `mt`): 64 `nt`.
+pub fn tile_rows(nt: u8) -> usize {
+    64 * nt as usize
+}
 
 /// Which GEMM prefill takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -234,8 +257,8 @@ pub(crate) const FAMILY: Family = Family { name, source, variants };
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => format!(
-            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}]",
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, nt, vs, center, bk, db, grouped, split } => format!(
+            "gemm_f16{}[{}{}{}{}{}{}{}{}{}{}{}]",
             if *grouped { "_grouped" } else { "" },
             fmt.describe(),
             match (*coop, *m8) {
@@ -253,6 +276,7 @@ fn name(spec: &KernelSpec) -> Option<String> {
                 1 => " t32",
                 _ => " t64",
             },
+            if *nt == 4 { " n256" } else { "" },
             if *vs { " vs" } else { "" },
             if *center { " centred" } else { "" },
             if *bk == 64 { " k64" } else { "" },
@@ -272,13 +296,14 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, _sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped, split } => {
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, nt, vs, center, bk, db, grouped, split } => {
             let s = Source::new(&[COMMON, WEIGHTS, GEMM_COMMON, F16_SPLIT, GEMM_COOP])
                 .flag("GROUPED", grouped)
                 .flag("SPLIT", split && !grouped)
                 .c("WG", 256)
                 .c("PAD", if coop { 8 } else { 0 })
                 .c("MT", mt as u32)
+                .c("NT", nt as u32)
                 .c("BK", bk as u32)
                 .flag("DB", db)
                 .flag("X16", true)
@@ -372,7 +397,7 @@ fn variants() -> Vec<KernelSpec> {
     }
     for fmt in all_formats() {
         for (coop, m8) in [(false, false), (true, false), (true, true)] {
-            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs, center, bk, db, grouped: false, split: false };
+            let spec = |hilo, mt, vs, center, bk, db| KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, nt: 2, vs, center, bk, db, grouped: false, split: false };
             for (hilo, mt, vs) in [(Hilo::Both, 2, false), (Hilo::X, 4, false), (Hilo::Off, 4, true)] {
                 v.push(spec(hilo, mt, vs, false, 32, false));
             }
@@ -388,10 +413,16 @@ fn variants() -> Vec<KernelSpec> {
             let split = if centred || values_in_f16(fmt) { Hilo::X } else { Hilo::Both };
             let q4 = fmt == GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
             // a batch's decode step: the format's split, tiles of 64 tokens, K in parts
-            v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: split, mt: 2, vs: vs_default(split), center: centred, bk: 32, db: false, grouped: false, split: true });
+            v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: split, mt: 2, nt: 2, vs: vs_default(split), center: centred, bk: 32, db: false, grouped: false, split: true });
+            // tiles of 256 rows: the format's split, both inputs split, none (4-bit affine)
+            for (hilo, center) in [(split, centred), (Hilo::Both, false), (Hilo::Off, false)] {
+                if hilo != Hilo::Off || q4 {
+                    v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt: 2, nt: 4, vs: vs_default(hilo) || hilo == Hilo::Off, center, bk: 32, db: false, grouped: false, split: false });
+                }
+            }
             for (hilo, mt, center) in [(split, 2, centred), (Hilo::Off, 2, false), (Hilo::Off, 4, false)] {
                 for (bk, db) in [(64, false), (32, true), (64, true)] {
-                    if (hilo != Hilo::Off || q4) && smem_bytes(coop, hilo, mt, bk, db) <= 48 << 10 {
+                    if (hilo != Hilo::Off || q4) && smem_bytes(coop, hilo, mt, 2, bk, db) <= 48 << 10 {
                         v.push(spec(hilo, mt, hilo == Hilo::X || hilo == Hilo::Off, center, bk, db));
                     }
                 }
@@ -399,7 +430,7 @@ fn variants() -> Vec<KernelSpec> {
             // the grouped GEMM (default staging): the format's split with both tiles, both inputs
             // split, none
             for (hilo, mt, center) in [(split, 2, centred), (split, 4, centred), (Hilo::Both, 2, false), (Hilo::Off, 4, false)] {
-                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: vs_default(hilo), center, bk: 32, db: false, grouped: true, split: false });
+                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, nt: 2, vs: vs_default(hilo), center, bk: 32, db: false, grouped: true, split: false });
             }
         }
     }
@@ -427,15 +458,15 @@ pub fn ksplit(tiles: usize, steps: usize) -> usize {
 /// of `k` columns and `t` tokens, were it split; 1 for other kernels.
 pub fn ksplit_for(spec: &KernelSpec, rows: usize, k: usize, t: usize) -> usize {
     match *spec {
-        KernelSpec::GemmF16 { mt, bk, .. } => ksplit(tiles(rows, t, mt), k_aug(spec, k).div_ceil(bk as usize)),
+        KernelSpec::GemmF16 { mt, nt, bk, .. } => ksplit(tiles(rows, t, mt, nt), k_aug(spec, k).div_ceil(bk as usize)),
         _ => 1,
     }
 }
 
-/// Tiles of the (ungrouped) f16 GEMM over `rows` rows and `t` tokens with `mt`: [`TILE_N`] rows
-/// by 32 `mt` tokens.
-pub fn tiles(rows: usize, t: usize, mt: u8) -> usize {
-    div_ceil(rows, TILE_N) * div_ceil(t, 32 * mt as usize)
+/// Tiles of the (ungrouped) f16 GEMM over `rows` rows and `t` tokens with `mt` and `nt`:
+/// [`tile_rows`] rows by 32 `mt` tokens.
+pub fn tiles(rows: usize, t: usize, mt: u8, nt: u8) -> usize {
+    div_ceil(rows, tile_rows(nt)) * div_ceil(t, 32 * mt as usize)
 }
 
 /// Whether prefill's f16 GEMM over `rows` x `k` and `t` tokens cuts K ([`ksplit`]): with
@@ -453,12 +484,12 @@ pub const SPLIT_WORKGROUPS: usize = 264;
 /// Fewest steps per part of a split GEMM.
 pub const SPLIT_MIN_STEPS: usize = 8;
 
-/// Workgroups of the GEMM over `rows` rows and `t` tokens with `mt` (each dimension capped at
-/// `maxg`; the kernel walks the rest); grouped over the pairs of `experts` experts: a slot for
-/// each possible tile (each expert's last may be partial).
-pub fn gemm_groups(rows: usize, t: usize, mt: u8, experts: Option<usize>, maxg: u32) -> [u32; 3] {
+/// Workgroups of the GEMM over `rows` rows and `t` tokens with `mt` and `nt` (each dimension
+/// capped at `maxg`; the kernel walks the rest); grouped over the pairs of `experts` experts: a
+/// slot for each possible tile (each expert's last may be partial).
+pub fn gemm_groups(rows: usize, t: usize, mt: u8, nt: u8, experts: Option<usize>, maxg: u32) -> [u32; 3] {
     let tiles = div_ceil(t, 32 * mt as usize) + experts.unwrap_or(0);
-    [div_ceil(rows, TILE_N).min(maxg as usize) as u32, tiles.min(maxg as usize) as u32, 1]
+    [div_ceil(rows, tile_rows(nt)).min(maxg as usize) as u32, tiles.min(maxg as usize) as u32, 1]
 }
 
 /// Workgroups of the activations' pass over `t` tokens (padded to 128).

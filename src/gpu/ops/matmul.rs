@@ -455,8 +455,9 @@ impl Kernels {
     /// on average; the default staging).
     fn f16_spec(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, grouped: bool) -> KernelSpec {
         let (coop, hilo) = (self.opts.coop.coop().0, gemm_f16::hilo(fmt, k));
-        let mt = gemm_f16::tile_mt(coop, hilo, n, t, self.limits.max_compute_workgroup_storage_size);
-        let mut spec = self.f16_spec_mt(fmt, k, mt, grouped);
+        let smem = self.limits.max_compute_workgroup_storage_size;
+        let (mt, nt) = if grouped { (gemm_f16::tile_mt(coop, hilo, n, t, smem), 2) } else { gemm_f16::tile_shape(coop, hilo, n, t, smem) };
+        let mut spec = self.f16_spec_mt(fmt, k, mt, nt, grouped);
         let cut = gemm_f16::prefill_split(&spec, n, k, t, self.opts.merge_splits);
         if let KernelSpec::GemmF16 { split, .. } = &mut spec {
             *split = cut;
@@ -464,13 +465,14 @@ impl Kernels {
         spec
     }
 
-    /// The f16 GEMM's spec for `fmt` over rows of `k` with tiles of `mt` ([`gemm_f16::tile_mt`]),
-    /// K whole: the split of the inputs the format takes, the default staging for those tiles.
-    fn f16_spec_mt(&self, fmt: GpuFormat, k: usize, mt: u8, grouped: bool) -> KernelSpec {
+    /// The f16 GEMM's spec for `fmt` over rows of `k` with tiles of `mt` x `nt`
+    /// ([`gemm_f16::tile_shape`]), K whole: the split of the inputs the format takes, the
+    /// default staging for those tiles.
+    fn f16_spec_mt(&self, fmt: GpuFormat, k: usize, mt: u8, nt: u8, grouped: bool) -> KernelSpec {
         let ((coop, m8), hilo) = (self.opts.coop.coop(), gemm_f16::hilo(fmt, k));
         let center = hilo == gemm_f16::Hilo::X && gemm_f16::center(fmt, k);
-        let (bk, db) = if grouped { (32, false) } else { gemm_f16::staging(coop, hilo, mt, self.limits.max_compute_workgroup_storage_size) };
-        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split: false }
+        let (bk, db) = if grouped { (32, false) } else { gemm_f16::staging(coop, hilo, mt, nt, self.limits.max_compute_workgroup_storage_size) };
+        KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt, nt, vs: gemm_f16::vs(hilo), center, bk, db, grouped, split: false }
     }
 
     /// GEMV workgroup size: one invocation per step of a row (a block, half a block, or two
@@ -528,7 +530,7 @@ impl Kernels {
         fmt.check_k(k).map_err(|m| GpuError::Kernel { name: "matmul".into(), msg: m })?;
         // tiles of 64 tokens; `MARKBASE_ROW_MT=1` takes tiles of 32 (the same sums per row)
         let mt = if env_u32("MARKBASE_ROW_MT") == Some(1) { 1 } else { 2 };
-        let mut spec = self.f16_spec_mt(fmt, k, mt, false);
+        let mut spec = self.f16_spec_mt(fmt, k, mt, 2, false);
         if let KernelSpec::GemmF16 { split, .. } = &mut spec {
             *split = self.opts.merge_splits;
         }

@@ -197,7 +197,7 @@ impl MatMulKernel {
     /// Bytes of the split GEMM's partial sums and of its counters for dispatch `d`.
     pub fn split_scratch_bytes(&self, d: &MatMulDims) -> (u64, u64) {
         let (tiles, tile) = match self.spec {
-            KernelSpec::GemmF16 { mt, .. } => (gemm_f16::tiles(d.rows, d.t, mt) as u64, 32 * mt as u64 * gemm_f16::TILE_N as u64),
+            KernelSpec::GemmF16 { mt, nt, .. } => (gemm_f16::tiles(d.rows, d.t, mt, nt) as u64, 32 * mt as u64 * gemm_f16::tile_rows(nt) as u64),
             _ => (gemm_tiles(d.rows, d.t, false) as u64, 64 * 64),
         };
         (tiles * self.ksplit(d) as u64 * tile * 4, tiles * 4)
@@ -241,8 +241,8 @@ impl MatMulKernel {
                 let experts = d.gather.map_or(0, |g| g.e_count);
                 [div_ceil(d.rows, 64).min(m) as u32, (div_ceil(d.t, 64) + experts).min(m) as u32, 1]
             }
-            KernelSpec::GemmF16 { mt, grouped, .. } => {
-                let [x, y, _] = gemm_f16::gemm_groups(d.rows, d.t, mt, d.gather.filter(|_| grouped).map(|g| g.e_count), self.maxg);
+            KernelSpec::GemmF16 { mt, nt, grouped, .. } => {
+                let [x, y, _] = gemm_f16::gemm_groups(d.rows, d.t, mt, nt, d.gather.filter(|_| grouped).map(|g| g.e_count), self.maxg);
                 [x, y, self.ksplit(d) as u32]
             }
             KernelSpec::Gemm { wide, .. } => {
