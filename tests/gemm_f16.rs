@@ -45,7 +45,7 @@ const VARIANTS: [(Hilo, u8, u8, bool, bool, u8, bool); 15] = [
     (Hilo::Off, 4, 2, true, false, 64, false),
     (Hilo::Off, 4, 2, false, false, 32, true),
     (Hilo::X, 2, 4, true, true, 32, false),
-    (Hilo::Both, 2, 4, false, false, 32, false),
+    (Hilo::Off, 2, 4, true, false, 32, false),
 ];
 
 /// One case: W `[n, k]` of `fmt` in about `nchunks` chunks, `t` tokens whose rows have their

@@ -117,17 +117,26 @@ pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -
 /// and the rows, (`mt`, `nt`). (`tile_mt`, 2), tiles of 128 rows, by default;
 /// `MARKBASE_COOP_NT=4` takes 64 tokens x 256 rows ((2, 4): a step's 16 x 16 products as many,
 /// its activations' bytes half, its weights' twice) where the workgroup memory allows and the
-/// grid keeps at least 96 tiles.
-pub fn tile_shape(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> (u8, u8) {
-    let wide = std::env::var("MARKBASE_COOP_NT").is_ok_and(|v| v == "4")
-        && smem_bytes(coop, hilo, 2, 4, 32, false) <= smem_limit
-        && div_ceil(rows, tile_rows(4)) * div_ceil(t, 64) >= 96;
+/// grid keeps at least 96 tiles (`MARKBASE_COOP_NT=2` keeps 128 rows). Per product, a step loads
+/// 4 / N bytes of activations (hi and lo) and w / T of weights (w bytes each): fewer with the wide
+/// tile for weights under 2 bytes, the same for bf16 (whence [`WIDE_DEFAULT`] only for formats of
+/// up to 8 bits).
+pub fn tile_shape(fmt: GpuFormat, coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> (u8, u8) {
+    let want = match std::env::var("MARKBASE_COOP_NT").as_deref() {
+        Ok("4") => true,
+        Ok("2") => false,
+        _ => WIDE_DEFAULT && fmt.bits() <= 8,
+    };
+    let wide = want && smem_bytes(coop, hilo, 2, 4, 32, false) <= smem_limit && div_ceil(rows, tile_rows(4)) * div_ceil(t, 64) >= 96;
     if wide {
         (2, 4)
     } else {
         (tile_mt(coop, hilo, rows, t, smem_limit), 2)
     }
 }
+
+/// Whether weights of up to 8 bits take tiles of 256 rows by default ([`tile_shape`]).
+const WIDE_DEFAULT: bool = false;
 
 /// The staging of the f16 GEMM with `mt` ([`tile_mt`]): K per step and whether its buffers are
 /// double ([`KernelSpec::GemmF16`]'s `bk`, `db`). 32 and single by default; `MARKBASE_COOP_BK=64`
@@ -414,8 +423,9 @@ fn variants() -> Vec<KernelSpec> {
             let q4 = fmt == GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
             // a batch's decode step: the format's split, tiles of 64 tokens, K in parts
             v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: split, mt: 2, nt: 2, vs: vs_default(split), center: centred, bk: 32, db: false, grouped: false, split: true });
-            // tiles of 256 rows: the format's split, both inputs split, none (4-bit affine)
-            for (hilo, center) in [(split, centred), (Hilo::Both, false), (Hilo::Off, false)] {
+            // tiles of 256 rows: the format's split, none (4-bit affine); both inputs split
+            // would need 50 KiB
+            for (hilo, center) in [(split, centred), (Hilo::Off, false)] {
                 if hilo != Hilo::Off || q4 {
                     v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt: 2, nt: 4, vs: vs_default(hilo) || hilo == Hilo::Off, center, bk: 32, db: false, grouped: false, split: false });
                 }

@@ -456,7 +456,7 @@ impl Kernels {
     fn f16_spec(&self, fmt: GpuFormat, k: usize, n: usize, t: usize, grouped: bool) -> KernelSpec {
         let (coop, hilo) = (self.opts.coop.coop().0, gemm_f16::hilo(fmt, k));
         let smem = self.limits.max_compute_workgroup_storage_size;
-        let (mt, nt) = if grouped { (gemm_f16::tile_mt(coop, hilo, n, t, smem), 2) } else { gemm_f16::tile_shape(coop, hilo, n, t, smem) };
+        let (mt, nt) = if grouped { (gemm_f16::tile_mt(coop, hilo, n, t, smem), 2) } else { gemm_f16::tile_shape(fmt, coop, hilo, n, t, smem) };
         let mut spec = self.f16_spec_mt(fmt, k, mt, nt, grouped);
         let cut = gemm_f16::prefill_split(&spec, n, k, t, self.opts.merge_splits);
         if let KernelSpec::GemmF16 { split, .. } = &mut spec {
