@@ -30,7 +30,7 @@ use rand::Rng;
 /// The kernel variants checked: (split, results per subgroup along the tokens and along the rows, vec4 buffers,
 /// centred affine weights, K per step, double buffers); those whose workgroup memory exceeds the
 /// adapter's are left out, and the centred ones where the format has no centring.
-const VARIANTS: [(Hilo, u8, u8, bool, bool, u8, bool); 15] = [
+const VARIANTS: [(Hilo, u8, u8, bool, bool, u8, bool); 16] = [
     (Hilo::Both, 2, 2, false, false, 32, false),
     (Hilo::X, 4, 2, false, false, 32, false),
     (Hilo::Off, 4, 2, true, false, 32, false),
@@ -46,6 +46,7 @@ const VARIANTS: [(Hilo, u8, u8, bool, bool, u8, bool); 15] = [
     (Hilo::Off, 4, 2, false, false, 32, true),
     (Hilo::X, 2, 4, true, true, 32, false),
     (Hilo::Off, 2, 4, true, false, 32, false),
+    (Hilo::X, 4, 4, true, true, 32, false),
 ];
 
 /// One case: W `[n, k]` of `fmt` in about `nchunks` chunks, `t` tokens whose rows have their

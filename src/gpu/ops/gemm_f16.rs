@@ -128,8 +128,12 @@ pub fn tile_shape(fmt: GpuFormat, coop: bool, hilo: Hilo, rows: usize, t: usize,
         _ => WIDE_DEFAULT && fmt.bits() <= 8,
     };
     let wide = want && smem_bytes(coop, hilo, 2, 4, 32, false) <= smem_limit && div_ceil(rows, tile_rows(4)) * div_ceil(t, 64) >= 96;
+    // 128 tokens x 256 rows with `MARKBASE_COOP_MT=4` too (48 KiB with the activations split)
+    let tall = std::env::var("MARKBASE_COOP_MT").is_ok_and(|v| v == "4")
+        && smem_bytes(coop, hilo, 4, 4, 32, false) <= smem_limit
+        && div_ceil(rows, tile_rows(4)) * div_ceil(t, 128) >= 96;
     if wide {
-        (2, 4)
+        (if tall { 4 } else { 2 }, 4)
     } else {
         (tile_mt(coop, hilo, rows, t, smem_limit), 2)
     }
@@ -429,6 +433,10 @@ fn variants() -> Vec<KernelSpec> {
                 if hilo != Hilo::Off || q4 {
                     v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo, mt: 2, nt: 4, vs: vs_default(hilo) || hilo == Hilo::Off, center, bk: 32, db: false, grouped: false, split: false });
                 }
+            }
+            // and 128 tokens x 256 rows (the format's split, where it fits 48 KiB)
+            if smem_bytes(coop, split, 4, 4, 32, false) <= 48 << 10 {
+                v.push(KernelSpec::GemmF16 { fmt, coop, m8, hilo: split, mt: 4, nt: 4, vs: vs_default(split), center: centred, bk: 32, db: false, grouped: false, split: false });
             }
             for (hilo, mt, center) in [(split, 2, centred), (Hilo::Off, 2, false), (Hilo::Off, 4, false)] {
                 for (bk, db) in [(64, false), (32, true), (64, true)] {
