@@ -8,7 +8,7 @@
 //! Each row's arithmetic is that of the same row alone: the batched ops compute every row
 //! from its own inputs, and the matmuls of a step's graph compute each row as they would at
 //! any other row count of the graphs a batch runs (the CPU reference computes every row the
-//! same way; on a GPU, the decode graphs have 2 to 64 rows, and their dense matmuls all take
+//! same way; on a GPU, the decode graphs have 1 to 64 rows, and their dense matmuls all take
 //! the several-token GEMV with one workgroup size, or with `--batch-f16` the f16 GEMM with a
 //! fixed number of parts of K per weight, whose sums of a row do not depend on the other rows:
 //! see `Kernels::matmul_rowwise`). Rows past the sequences of a step are idle: they
@@ -42,10 +42,10 @@ use crate::vision::encode::ImagePrompt;
 /// Most sequences of a batch on a GPU: the decode graphs' rows stay within one 64-row tile of
 /// the expert-grouped GEMM (MoE), whose arithmetic per row is then the same at every row count.
 pub const MAX_GPU_SLOTS: usize = 64;
-/// Fewest rows of a decode graph on a GPU: from 2 rows on, every dense matmul takes the
-/// several-token GEMV (one row would take the one-token GEMV and its fusions, whose reduction
-/// order differs), and the MoE the expert-grouped GEMM.
-pub const MIN_GPU_ROWS: usize = 2;
+/// Fewest rows of a decode graph on a GPU: a batch's decode graphs take the several-token
+/// GEMV's path at every row count (one row too: groups of one token, not the one-token GEMV
+/// and its fusions, whose reduction order differs), and the MoE the expert-grouped GEMM.
+pub const MIN_GPU_ROWS: usize = 1;
 
 /// The slot of an idle row.
 pub const IDLE: u32 = u32::MAX;

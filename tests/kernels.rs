@@ -78,11 +78,11 @@ fn matmul_case(r: &mut StdRng, fmt: GpuFormat, n: usize, k: usize, ts: &[usize],
             let mm = ks.matmul(fmt, k, t, false).unwrap();
             // the one-token GEMV also with two blocks per step, and with whole blocks where it
             // takes half blocks (as on CPU adapters)
-            if let KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2, norm, dual, half } = mm.spec {
-                let other = KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2: !bp2, norm, dual, half };
+            if let KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2, norm, dual, half, several } = mm.spec {
+                let other = KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2: !bp2, norm, dual, half, several };
                 kernels.push((format!("{label} bp2={}", !bp2), ks.matmul_spec(other).unwrap()));
                 if mm.kernel.name.contains(" half") {
-                    let whole = KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2, norm, dual, half: false };
+                    let whole = KernelSpec::Gemv { fmt, wg, rows, tt: 1, gather, xvec, bp2, norm, dual, half: false, several };
                     kernels.push((format!("{label} whole blocks"), ks.matmul_spec(whole).unwrap()));
                 }
             }
@@ -484,13 +484,13 @@ fn norm_matmul_formats() {
             let nwb = nwt.as_ref().map(|t| gpu.upload("nw", &t.bytes));
             for (label, ks) in &e.variants {
                 let mm = ks.norm_matmul(fmt, k, nt).unwrap();
-                let KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual, half } = mm.spec else { panic!("not a GEMV") };
+                let KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual, half, several } = mm.spec else { panic!("not a GEMV") };
                 assert_eq!(norm, Some(nt));
-                let other = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual, half }).unwrap();
+                let other = ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2: !bp2, norm, dual, half, several }).unwrap();
                 let mut runs = vec![("", mm), (" other bp2", other)];
                 // whole blocks too where it takes half blocks (as on CPU adapters)
                 if runs[0].1.kernel.name.contains(" half") {
-                    runs.push((" whole blocks", ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual, half: false }).unwrap()));
+                    runs.push((" whole blocks", ks.matmul_spec(KernelSpec::Gemv { fmt: f, wg, rows, tt, gather, xvec, bp2, norm, dual, half: false, several }).unwrap()));
                 }
                 for (v, mm) in &runs {
                     let y = gpu.storage("y", (n * 4) as u64);

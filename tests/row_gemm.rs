@@ -3,7 +3,7 @@
 //! workgroup of a tile adds in part order. At real widths (K up to 15,360) and awkward row counts,
 //! in every split of the inputs the formats take, with its FMA twin on every adapter with f16 (CI's
 //! software rasterizer included) and on cooperative matrices where the adapter has them:
-//! - a row's outputs are the same bits at every row count of a batch's decode graphs (2 to 64),
+//! - a row's outputs are the same bits at every row count of a batch's decode graphs (1 to 64),
 //!   so a sequence's tokens do not depend on what runs beside it;
 //! - they are the CPU's product within the f16 GEMM's bound for the split (of sum |x| |w|);
 //! - the same dispatch run again gives the same bits (the tiles' counters are left at zero);
@@ -25,7 +25,7 @@ use markbase::gpu::weights::{upload_weight, GpuFormat};
 use markbase::graph::quant::FloatType;
 
 /// Rows of a batch's decode graphs on a GPU.
-const ROWS: [usize; 6] = [2, 4, 8, 16, 32, 64];
+const ROWS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 
 /// x W^T for `t` tokens over W `[n, k]`, and sum |x| |w| per element, in f64.
 fn exact(x: &[f32], w: &[f32], t: usize, n: usize, k: usize) -> (Vec<f32>, Vec<f32>) {

@@ -108,7 +108,9 @@ pub enum KernelSpec {
     /// weight's dtype (`Some(None)`: no weight).
     /// `dual`: two weights (gate and up) whose rows combine as `gelu(gate) * up` (`tt == 1`,
     /// not gathered, not `bp2`).
-    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>>, dual: bool, half: bool },
+    /// `several`: the several-token path even with `tt == 1` (a batch's decode step of one row:
+    /// each row's sums as at every other row count; no `bp2`, `norm` or `dual`).
+    Gemv { fmt: GpuFormat, wg: u32, rows: u32, tt: u32, gather: bool, xvec: bool, bp2: bool, norm: Option<Option<FloatType>>, dual: bool, half: bool, several: bool },
     /// One token, a fused norm (weight dtype `norm`) and `n` (2 or 3) weights of one format
     /// whose outputs lie side by side (`Op::NormMatMul` over q, k and v).
     GemvCat { fmt: GpuFormat, wg: u32, rows: u32, xvec: bool, norm: Option<FloatType>, n: u32, half: bool },

@@ -143,9 +143,10 @@ fn moe(b: &mut B, i: usize, x: NodeIndex, u: NodeIndex, k_const: &dyn Fn(f32) ->
     let wg = b.w(&p("experts.switch_glu.gate_proj"), l, &[e, im, h], true);
     let wu = b.w(&p("experts.switch_glu.up_proj"), l, &[e, im, h], true);
     let wd = b.w(&p("experts.switch_glu.down_proj"), l, &[e, h, im], true);
-    // Several tokens: the pairs are grouped by expert once, and each expert's weights are
-    // multiplied with all its rows at once. One token: a gathered GEMV.
-    let groups = if t > 1 { Some(b.op("expert_groups", l, Op::MoeGroup { experts: e }, &[ids])?) } else { None };
+    // Several tokens (or a batch's decode step, one row included: a row's sums the same at every
+    // row count): the pairs are grouped by expert once, and each expert's weights are multiplied
+    // with all its rows at once. One token of one sequence: a gathered GEMV.
+    let groups = if t > 1 || b.batch > 0 { Some(b.op("expert_groups", l, Op::MoeGroup { experts: e }, &[ids])?) } else { None };
     let expert_mm = |b: &mut B, name: &str, x: NodeIndex, w: NodeIndex| match groups {
         Some(gr) => b.op(name, l, Op::GroupedMatMul, &[x, ids, w, gr]),
         None => b.op(name, l, Op::GatherMatMul, &[x, ids, w]),

@@ -103,6 +103,16 @@ fn few_long_rows(n: usize, k: usize) -> bool {
 /// Not for the dual GEMV: it reads two weights per step, and whole blocks measured faster.
 /// Several tokens (not gathered: a batch's decode steps, short prompts) hold half as many
 /// activations per step that way, and take it too unless `MARKBASE_ROW_HALF=0`.
+/// The token count [`gemv_half`] decides by: the several-token path's (2) for a one-token group
+/// of a batch's decode step (`several`).
+fn tt_half(tt: u32, several: bool) -> u32 {
+    if several {
+        tt.max(2)
+    } else {
+        tt
+    }
+}
+
 fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
     (tt == 1 || env_on("MARKBASE_ROW_HALF")) && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
 }
@@ -207,16 +217,17 @@ pub(crate) fn gemv_tokx(gather: bool, tt: u32) -> bool {
 
 fn name(spec: &KernelSpec) -> Option<String> {
     Some(match spec {
-        KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => format!(
-            "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}{}{}]",
+        KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half, several } => format!(
+            "gemv[{} wg{wg} r{rows} t{tt}{}{}{}{}{}{}{}]",
             fmt.describe(),
+            if *several && *tt == 1 { " rowwise" } else { "" },
             if *dual { " geglu" } else { "" },
             match norm {
                 Some(w) => format!(" norm[{}]", w.map_or("none", |t| t.name())),
                 None => String::new(),
             },
             if *bp2 { " bp2" } else { "" },
-            if *half && gemv_half(*fmt, *tt, *xvec, *bp2, *dual) { " half" } else { "" },
+            if *half && gemv_half(*fmt, tt_half(*tt, *several), *xvec, *bp2, *dual) { " half" } else { "" },
             if *gather { " gather" } else { "" },
             if *xvec { "" } else { " masked" }
         ),
@@ -238,10 +249,10 @@ fn name(spec: &KernelSpec) -> Option<String> {
 
 fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
     Some(match *spec {
-        KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half } => {
+        KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual, half, several } => {
             let files: &[&'static str] = if dual { &[COMMON, WEIGHTS, weights_second(), GEMV] } else { &[COMMON, WEIGHTS, GEMV] };
             let rs = rows * tt * if dual { 2 } else { 1 };
-            let half = half && gemv_half(fmt, tt, xvec, bp2, dual);
+            let half = half && gemv_half(fmt, tt_half(tt, several), xvec, bp2, dual);
             let s = gemv_reduction(Source::new(files), rs, wg)
                 .flag("DUAL", dual)
                 .c("NDT", norm.flatten().map_or(2, dt_code))
@@ -253,7 +264,7 @@ fn source(spec: &KernelSpec, sg: bool) -> Option<Source> {
                 .flag("SUBGROUP", sg)
                 .flag("GATHER", gather)
                 .flag("XVEC", xvec)
-                .flag("TT1", tt == 1)
+                .flag("TT1", tt == 1 && !several)
                 .flag("TOKX", gemv_tokx(gather, tt))
                 .flag("BP2", bp2 && tt == 1)
                 .flag("HALF", half);
@@ -307,15 +318,19 @@ fn variants() -> Vec<KernelSpec> {
                     // half blocks and, where they apply, whole blocks
                     let halves: &[bool] = if gemv_half(fmt, tt, xvec, bp2, false) { &[true, false] } else { &[true] };
                     for &half in halves {
-                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false, half });
+                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows: if tt == 1 { 8 } else { 4 }, tt, gather, xvec, bp2, norm: None, dual: false, half, several: false });
+                        if tt == 1 && !gather && !bp2 {
+                            // a batch's decode step of one row
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm: None, dual: false, half, several: true });
+                        }
                         if tt == 1 && !gather {
                             let norm = Some(if bp2 { None } else { Some(FloatType::Bf16) });
-                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half });
+                            v.push(KernelSpec::Gemv { fmt, wg: 128, rows: 8, tt, gather, xvec, bp2, norm, dual: false, half, several: false });
                             if !bp2 {
                                 if half {
                                     // the dual GEMV walks whole blocks
                                     for rows in [4, 8] {
-                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows, tt, gather, xvec, bp2, norm, dual: true, half: false });
+                                        v.push(KernelSpec::Gemv { fmt, wg: 128, rows, tt, gather, xvec, bp2, norm, dual: true, half: false, several: false });
                                     }
                                 }
                                 if !fmt.has_global() {
@@ -376,7 +391,7 @@ impl Kernels {
         });
         // at most 128 invocations: Gemma 4 31B's gate/up (K = 5376) measured 5% faster than at 256
         let wg = env_u32("MARKBASE_GEMV_DUAL_WG").unwrap_or_else(|| gemv_wg_capped(self.gemv_wg(k, tt, false, false), 128));
-        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true, half: false })
+        self.matmul_spec(KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2: false, norm, dual: true, half: false, several: false })
     }
 
     /// `Op::NormMatMul` over several weights in one dispatch, when they allow it: two or three,
@@ -430,7 +445,7 @@ impl Kernels {
             let bp2 = tt == 1 && env_u32("MARKBASE_GEMV_BP2").map_or(GEMV_BP2, |v| v != 0);
             let half = self.opts.half_blocks && gemv_half(fmt, tt, xvec, bp2, false);
             let wg = self.gemv_wg(k, tt, half, bp2);
-            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half }
+            KernelSpec::Gemv { fmt, wg, rows, tt, gather, xvec, bp2, norm, dual: false, half, several: false }
         } else {
             let wide = env_u32("MARKBASE_GEMM_WIDE").map_or(n.is_some_and(|n| gemm_tiles(n, t, true) >= GEMM_WIDE_MIN_TILES), |v| v != 0);
             if self.opts.coop != CoopMode::Off && n.is_none_or(|n| gemm_f16::takes_f16(n, k, t)) {
@@ -538,7 +553,7 @@ impl Kernels {
     }
 
     /// The several-token GEMV of a batch's decode steps (`t` rows), in token groups of
-    /// [`ROW_TT`] (2 for fewer rows), with the workgroup size of every several-token GEMV over
+    /// [`ROW_TT`] (2 for fewer rows, 1 for one row: the several-token path still), with the workgroup size of every several-token GEMV over
     /// rows of `k`. A row's sums are then those of the same row at any other row count: blocks
     /// split over the workgroup the same way, reduced in the same order (the token group and the
     /// rows per workgroup change only which accumulators a workgroup holds). The token groups of
@@ -548,10 +563,15 @@ impl Kernels {
         // the GEMV of two tokens (its rows per workgroup and workgroup size are those of every
         // several-token GEMV), with the token group of this row count
         let mut spec = self.matmul_spec_for(fmt, k, 2, false, None, None)?;
-        if let KernelSpec::Gemv { tt, rows, .. } = &mut spec {
+        if let KernelSpec::Gemv { tt, rows, several, .. } = &mut spec {
             if t >= 4 {
                 *tt = env_u32("MARKBASE_ROW_TT").unwrap_or(ROW_TT).clamp(2, 8);
             }
+            // one row: groups of one token on the same path (no second token's work)
+            if t == 1 {
+                *tt = 1;
+            }
+            *several = true;
             // the decoders light enough for four rows take eight
             if *rows == 4 && env_u32("MARKBASE_GEMV_ROWS").is_none() {
                 *rows = ROW_R;
