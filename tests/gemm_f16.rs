@@ -263,3 +263,23 @@ fn throughput() {
         }
     }
 }
+
+/// The default tile: 64 tokens x 256 rows for weights of up to 8 bits where the grid keeps 96
+/// tiles, 128 x 128 for bf16 weights (the same bytes per product either way) and for grids too
+/// small (`MARKBASE_COOP_NT` and `_MT` unset).
+#[test]
+fn gemm_f16_tile_shape_defaults() {
+    if std::env::var("MARKBASE_COOP_NT").is_ok() || std::env::var("MARKBASE_COOP_MT").is_ok() {
+        return;
+    }
+    let q4 = GpuFormat::Affine { bits: 4, group: 64, scale: FloatType::Bf16 };
+    let bf16 = GpuFormat::Float(FloatType::Bf16);
+    let smem = 48 << 10;
+    assert_eq!(gemm_f16::tile_shape(q4, true, Hilo::X, 15360, 512, smem), (2, 4));
+    assert_eq!(gemm_f16::tile_shape(q4, true, Hilo::X, 3840, 512, smem), (2, 4));
+    assert_eq!(gemm_f16::tile_shape(bf16, true, Hilo::X, 15360, 512, smem), (4, 2));
+    // 8 x 8 tiles of 256 rows: too few, and 16 x 4 of 128 rows too
+    assert_eq!(gemm_f16::tile_shape(q4, true, Hilo::X, 2048, 512, smem), (2, 2));
+    // both inputs split: 50 KiB with 256 rows
+    assert_eq!(gemm_f16::tile_shape(q4, true, Hilo::Both, 15360, 512, smem).1, 2);
+}

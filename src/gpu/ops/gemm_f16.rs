@@ -114,10 +114,10 @@ pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -
 }
 
 /// The tile of the (ungrouped) f16 GEMM over `rows` x `t`: results per subgroup along the tokens
-/// and the rows, (`mt`, `nt`). (`tile_mt`, 2), tiles of 128 rows, by default;
-/// `MARKBASE_COOP_NT=4` takes 64 tokens x 256 rows ((2, 4): a step's 16 x 16 products as many,
-/// its activations' bytes half, its weights' twice) where the workgroup memory allows and the
-/// grid keeps at least 96 tiles (`MARKBASE_COOP_NT=2` keeps 128 rows). Per product, a step loads
+/// and the rows, (`mt`, `nt`). 64 tokens x 256 rows ((2, 4): a step's 16 x 16 products as many
+/// as with 128 x 128, its activations' bytes half, its weights' twice) for weights of up to 8
+/// bits ([`WIDE_DEFAULT`]; `MARKBASE_COOP_NT=4` for any, `=2` for none) where the workgroup
+/// memory allows and the grid keeps at least 96 tiles, else (`tile_mt`, 2): tiles of 128 rows. Per product, a step loads
 /// 4 / N bytes of activations (hi and lo) and w / T of weights (w bytes each): fewer with the wide
 /// tile for weights under 2 bytes, the same for bf16 (whence [`WIDE_DEFAULT`] only for formats of
 /// up to 8 bits).
@@ -139,8 +139,12 @@ pub fn tile_shape(fmt: GpuFormat, coop: bool, hilo: Hilo, rows: usize, t: usize,
     }
 }
 
-/// Whether weights of up to 8 bits take tiles of 256 rows by default ([`tile_shape`]).
-const WIDE_DEFAULT: bool = false;
+/// Whether weights of up to 8 bits take tiles of 64 tokens x 256 rows by default
+/// ([`tile_shape`]). On an H100 (one sitting, 4-bit g64): the 12B's 15360 x 3840 at 512 tokens
+/// 1,007 -> 979 µs, 3840 x 15360 1,781 -> 1,697; gemma3-12b pp512 2,340 -> 2,424 tok/s, the 1B
+/// unchanged (17,751 / 17,737). 128 x 256 (`MARKBASE_COOP_MT=4` with it) took the 12B to 2,522
+/// but has not been checked against the CPU on tensor cores yet, so it stays an option.
+const WIDE_DEFAULT: bool = true;
 
 /// The staging of the f16 GEMM with `mt` ([`tile_mt`]): K per step and whether its buffers are
 /// double ([`KernelSpec::GemmF16`]'s `bk`, `db`). 32 and single by default; `MARKBASE_COOP_BK=64`
