@@ -117,10 +117,10 @@ pub fn tile_mt(coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -
 /// and the rows, (`mt`, `nt`). 64 tokens x 256 rows ((2, 4): a step's 16 x 16 products as many
 /// as with 128 x 128, its activations' bytes half, its weights' twice) for weights of up to 8
 /// bits ([`WIDE_DEFAULT`]; `MARKBASE_COOP_NT=4` for any, `=2` for none) where the workgroup
-/// memory allows and the grid keeps at least 96 tiles, else (`tile_mt`, 2): tiles of 128 rows. Per product, a step loads
-/// 4 / N bytes of activations (hi and lo) and w / T of weights (w bytes each): fewer with the wide
-/// tile for weights under 2 bytes, the same for bf16 (whence [`WIDE_DEFAULT`] only for formats of
-/// up to 8 bits).
+/// memory allows and the grid keeps at least 96 tiles, else (`tile_mt`, 2): tiles of 128 rows.
+/// Per product, a step loads 4 / N bytes of activations (hi and lo) and w / T of weights (w bytes
+/// each): fewer with the wide tile for weights under 2 bytes, the same for bf16 (whence
+/// [`WIDE_DEFAULT`] only for formats of up to 8 bits).
 pub fn tile_shape(fmt: GpuFormat, coop: bool, hilo: Hilo, rows: usize, t: usize, smem_limit: u32) -> (u8, u8) {
     let want = match std::env::var("MARKBASE_COOP_NT").as_deref() {
         Ok("4") => true,

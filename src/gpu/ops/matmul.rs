@@ -103,6 +103,10 @@ fn few_long_rows(n: usize, k: usize) -> bool {
 /// Not for the dual GEMV: it reads two weights per step, and whole blocks measured faster.
 /// Several tokens (not gathered: a batch's decode steps, short prompts) hold half as many
 /// activations per step that way, and take it too unless `MARKBASE_ROW_HALF=0`.
+fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
+    (tt == 1 || env_on("MARKBASE_ROW_HALF")) && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
+}
+
 /// The token count [`gemv_half`] decides by: the several-token path's (2) for a one-token group
 /// of a batch's decode step (`several`).
 fn tt_half(tt: u32, several: bool) -> u32 {
@@ -111,10 +115,6 @@ fn tt_half(tt: u32, several: bool) -> u32 {
     } else {
         tt
     }
-}
-
-fn gemv_half(fmt: GpuFormat, tt: u32, xvec: bool, bp2: bool, dual: bool) -> bool {
-    (tt == 1 || env_on("MARKBASE_ROW_HALF")) && xvec && !bp2 && !dual && matches!(fmt, GpuFormat::Affine { bits: 4, .. })
 }
 
 /// A GEMV's reduction consts for `rs` sums per invocation and `wg` invocations: RS, RS2 ..
@@ -553,8 +553,8 @@ impl Kernels {
     }
 
     /// The several-token GEMV of a batch's decode steps (`t` rows), in token groups of
-    /// [`ROW_TT`] (2 for fewer rows, 1 for one row: the several-token path still), with the workgroup size of every several-token GEMV over
-    /// rows of `k`. A row's sums are then those of the same row at any other row count: blocks
+    /// [`ROW_TT`] (2 for fewer rows, 1 for one row: the several-token path still), with the
+    /// workgroup size of every several-token GEMV over rows of `k`. A row's sums are then those of the same row at any other row count: blocks
     /// split over the workgroup the same way, reduced in the same order (the token group and the
     /// rows per workgroup change only which accumulators a workgroup holds). The token groups of
     /// a row group are neighbouring workgroups, so that they read the same weights at about the
